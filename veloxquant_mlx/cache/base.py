@@ -1,0 +1,12 @@
+"""Which TurboQuant methods each kind of cache offers.
+
+- Servable caches implement mlx_lm's cache protocol (``update_and_fetch`` and friends) and plug
+  into ``mlx_lm.generate``, the server and prompt-cache files.
+- Standalone methods are offered by the research cache
+  :class:`veloxquant_mlx.cache.turboquant_cache.TurboQuantKVCache` (``append_key`` /
+  ``append_value`` / ``attend``), which does not implement the mlx_lm protocol.
+"""
+from __future__ import annotations
+
+SERVABLE_METHODS = frozenset({"turboquant_mse", "turboquant_prod", "turboquant_rvq"})
+STANDALONE_METHODS = frozenset({"turboquant_mse", "turboquant_prod"})
