@@ -1,0 +1,88 @@
+"""Shared validation and helpers of the TurboQuant quantizers (no quantization logic here)."""
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+NORM_DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
+_FLOAT_DTYPES = {mx.float16: "float16", mx.bfloat16: "bfloat16", mx.float32: "float32", mx.float64: "float64"}
+
+
+def check_int(value, name: str, lo: int, hi: int | None = None) -> int:
+    """``value`` as int, or TypeError/ValueError naming ``name`` and the allowed range."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+    v = int(value)
+    if v < lo or (hi is not None and v > hi):
+        allowed = f"in {lo}..{hi}" if hi is not None else f">= {lo}"
+        raise ValueError(f"{name} must be an int {allowed}, got {v}")
+    return v
+
+
+def check_choice(value, name: str, choices) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
+    return value
+
+
+def as_float_input(x, d: int, name: str = "x"):
+    """Validate a ``(..., d)`` float input; returns (float32 mx.array, dtype name to decode to).
+
+    numpy float64 is taken as float32 (MLX GPUs have no float64), and decodes to float32.
+    """
+    if isinstance(x, np.ndarray):
+        if not np.issubdtype(x.dtype, np.floating):
+            raise TypeError(f"{name} must have a float dtype, got numpy {x.dtype}")
+        x = mx.array(x.astype(np.float32) if x.dtype == np.float64 else x)
+    elif not isinstance(x, mx.array):
+        raise TypeError(f"{name} must be an mx.array or numpy.ndarray, got {type(x).__name__}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name} must have a float dtype (float16, bfloat16, float32), got {x.dtype}")
+    if x.ndim == 0 or x.shape[-1] != d:
+        raise ValueError(f"{name} must have shape (..., d) with d={d}, got {tuple(x.shape)}")
+    name_out = _FLOAT_DTYPES[x.dtype]
+    if name_out == "float64":
+        name_out = "float32"
+    return x.astype(mx.float32), name_out
+
+
+def safe_norm(x: mx.array) -> mx.array:
+    """``(..., d) float32 -> (...)`` L2 norm in float32, scaled by max|x| so it cannot overflow."""
+    amax = mx.max(mx.abs(x), axis=-1, keepdims=True)
+    scale = mx.where(amax > 0, amax, 1.0)
+    return mx.sqrt(mx.sum(mx.square(x / scale), axis=-1)) * scale[..., 0]
+
+
+def unit_and_norm(x: mx.array):
+    """``(..., d)`` float32 -> (unit directions (..., d), norms (...)); zero rows give zero directions."""
+    norms = safe_norm(x)
+    safe = mx.where(norms > 0, norms, 1.0)  # guard the division: 0 / 1 = 0, no NaN
+    return x / safe[..., None], norms
+
+
+def check_encoded(ev, quantizer_type: str, d: int):
+    from ..core.context import EncodedVector
+
+    if not isinstance(ev, EncodedVector):
+        raise TypeError(f"ev must be an EncodedVector, got {type(ev).__name__}")
+    if ev.quantizer_type != quantizer_type:
+        raise ValueError(f"ev was encoded by {ev.quantizer_type!r}, this quantizer is {quantizer_type!r}")
+    if ev.dim != d:
+        raise ValueError(f"ev has dim {ev.dim}, this quantizer has d={d}")
+
+
+def as_query(q, d: int):
+    """Validate a query ``(d,)`` or ``(..., m, d)`` -> float32 mx.array."""
+    qf, _ = as_float_input(q, d, "q")
+    return qf
+
+
+def scores(q_rot: mx.array, k_rot: mx.array) -> mx.array:
+    """q ``(d,)`` with keys ``(..., n, d)`` -> ``(..., n)``; q ``(..., m, d)`` -> ``(..., m, n)``."""
+    if q_rot.ndim == 1:
+        return k_rot @ q_rot
+    return q_rot @ mx.swapaxes(k_rot, -1, -2)
+
+
+def dtype_from_name(name: str):
+    return getattr(mx, name)

@@ -1,0 +1,116 @@
+"""TurboQuant-Prod: TurboQuant-MSE at b-1 bits + a 1-bit QJL sketch of the residual (arXiv 2504.19874, Alg. 2).
+
+In the rotated basis (y = Pi x, orthogonal so inner products are unchanged) with MSE reconstruction
+y_mse = ||x|| c[idx] (using the *stored* norm, so its rounding is corrected too):
+    r = ||x|| Pi u - y_mse,   signs = sign(S r)   (S: m x d i.i.d. N(0, 1), seeded),   gamma = ||r||.
+Since E[<S q, sign(S r)>] = m sqrt(2/pi) <q, r> / ||r||, the estimate
+    <q, x> ~= <Pi q, y_mse> + gamma sqrt(pi/2) / m <S Pi q, signs>
+is unbiased, with variance ~ pi/(2m) ||r||^2 ||q||^2. b = 1 means 0 MSE bits: a pure QJL sketch
+of x itself (y_mse = 0, r = x).
+"""
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+
+from ..core.context import EncodedVector
+from ..dsa.bit_pack import pack, unpack
+from ..rotation import ROTATION_KINDS, STREAM_QJL, make_rotation
+from ._common import (NORM_DTYPES, as_float_input, as_query, check_choice, check_encoded, check_int,
+                      dtype_from_name, safe_norm, scores, unit_and_norm)
+from .turboquant_mse import CODEBOOK_KINDS, TurboQuantMSE
+
+
+
+class TurboQuantProd:
+    """Inner-product-unbiased TurboQuant at ``b`` bits per coordinate (b-1 MSE bits + 1 QJL bit).
+
+    Args:
+        d: vector length (int >= 2). b: total bits 1..8 (b = 1: pure QJL).
+        m: QJL sketch length (int >= 1), default ``m_default(d, b)`` = d.
+        seed, rotation, codebook, norm_dtype: as in :class:`TurboQuantMSE`.
+    """
+
+    quantizer_type = "turboquant_prod"
+
+    def __init__(self, d: int, b: int, m: int | None = None, seed: int = 0, rotation: str = "haar",
+                 codebook: str = "beta", norm_dtype: str = "bfloat16"):
+        self.d = check_int(d, "d", 2)
+        self.b = check_int(b, "b", 1, 8)
+        self.m = self.m_default(self.d, self.b) if m is None else check_int(m, "m", 1)
+        self.seed = check_int(seed, "seed", 0)
+        self.rotation_kind = check_choice(rotation, "rotation", ROTATION_KINDS)
+        self.codebook_kind = check_choice(codebook, "codebook", CODEBOOK_KINDS)
+        self.norm_dtype_name = check_choice(norm_dtype, "norm_dtype", NORM_DTYPES)
+        self.norm_dtype = NORM_DTYPES[norm_dtype]
+        self.mse = (TurboQuantMSE(self.d, self.b - 1, self.seed, rotation, codebook, norm_dtype)
+                    if self.b > 1 else None)
+        self.rotation = self.mse.rotation if self.mse is not None else make_rotation(self.d, self.seed, rotation)
+        rng = np.random.default_rng([self.seed, STREAM_QJL])
+        # S acts on rotated-basis vectors; in the original basis the sketch matrix is S @ Pi.
+        self.qjl_matrix = mx.array(rng.standard_normal((self.m, self.d)).astype(np.float32))  # (m, d)
+        self._qjl_t = mx.contiguous(self.qjl_matrix.T)  # (d, m)
+        self._qjl_scale = math.sqrt(math.pi / 2.0) / self.m
+
+    @staticmethod
+    def m_default(d: int, b: int) -> int:
+        """Default QJL sketch length: m = d (the paper's choice)."""
+        return check_int(d, "d", 1)
+
+    def encode(self, x) -> EncodedVector:
+        """``(..., d)`` float array -> EncodedVector (indices, norms, signs, residual_norm)."""
+        xf, dtype_name = as_float_input(x, self.d)
+        if self.mse is not None:
+            packed, norms, stored, y = self.mse._encode_rotated(xf)
+            y_mse = self.mse._reconstruct_rotated(packed, stored)
+            r = y * norms[..., None] - y_mse  # residual vs what decode will actually produce
+        else:
+            u, norms = unit_and_norm(xf)
+            stored = norms.astype(self.norm_dtype)
+            packed = mx.zeros((*xf.shape[:-1], 0), dtype=mx.uint32)
+            r = self.rotation.apply(xf)
+        proj = r @ self._qjl_t  # (..., m)
+        signs = pack((proj >= 0).astype(mx.uint8), 1)
+        return EncodedVector(quantizer_type=self.quantizer_type, dim=self.d, indices=packed, norms=stored,
+                             signs=signs, residual_norm=safe_norm(r).astype(self.norm_dtype),
+                             dtype_name=dtype_name)
+
+    def _signs_pm(self, ev: EncodedVector) -> mx.array:
+        """(..., m) float32 ±1 from the packed sign bits."""
+        return unpack(ev.signs, 1, self.m).astype(mx.float32) * 2.0 - 1.0
+
+    def decode_rotated_mse(self, ev: EncodedVector) -> mx.array:
+        """``(..., d)`` float32 MSE-stage reconstruction in the rotated basis (zeros when b = 1)."""
+        check_encoded(ev, self.quantizer_type, self.d)
+        if self.mse is None:
+            return mx.zeros((*ev.batch_shape, self.d), dtype=mx.float32)
+        return self.mse._reconstruct_rotated(ev.indices, ev.norms)
+
+    def decode_rotated(self, ev: EncodedVector) -> mx.array:
+        """``(..., d)`` float32 unbiased reconstruction in the rotated basis:
+        y_mse + gamma sqrt(pi/2)/m S^T signs."""
+        qjl = (self._signs_pm(ev) @ self.qjl_matrix) * (
+            ev.residual_norm.astype(mx.float32)[..., None] * self._qjl_scale)
+        return self.decode_rotated_mse(ev) + qjl
+
+    def decode(self, ev: EncodedVector) -> mx.array:
+        """``(..., d)`` unbiased reconstruction in the input dtype (its MSE is larger than MSE-only)."""
+        return self.rotation.invert(self.decode_rotated(ev)).astype(dtype_from_name(ev.dtype_name))
+
+    def estimate_inner_product(self, q, ev: EncodedVector) -> mx.array:
+        """Unbiased <q, x>: q ``(..., m_q, d)`` with ev batch ``(..., n)`` -> ``(..., m_q, n)``;
+        q ``(d,)`` -> ``(..., n)``. The query is rotated and sketched once; keys stay packed-size."""
+        check_encoded(ev, self.quantizer_type, self.d)
+        q_rot = self.rotation.apply(as_query(q, self.d))
+        out = scores(q_rot, self.decode_rotated_mse(ev)) if self.mse is not None else None
+        sq = q_rot @ self._qjl_t  # (..., m_q, m) or (m,)
+        qjl = scores(sq, self._signs_pm(ev))
+        gamma = ev.residual_norm.astype(mx.float32) * self._qjl_scale  # (..., n)
+        qjl = qjl * (gamma if q_rot.ndim == 1 else gamma[..., None, :])
+        return qjl if out is None else out + qjl
+
+    def __repr__(self):
+        return (f"TurboQuantProd(d={self.d}, b={self.b}, m={self.m}, seed={self.seed}, "
+                f"rotation={self.rotation_kind!r}, codebook={self.codebook_kind!r})")
