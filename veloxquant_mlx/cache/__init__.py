@@ -1,0 +1,32 @@
+"""KV caches: servable mlx_lm caches (packed K and V), the seed's RVQ cache, builder and prompt-cache files.
+
+Imports are lazy so ``import veloxquant_mlx.cache`` does not pull in mlx_lm or the quantizers.
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "TurboQuantPackedCache": "veloxquant_mlx.cache.packed_cache",
+    "TurboQuantRotatingPackedCache": "veloxquant_mlx.cache.packed_cache",
+    "TurboQuantRVQKVCache": "veloxquant_mlx.cache.turboquant_rvq_cache",
+    "TurboQuantKVCache": "veloxquant_mlx.cache.turboquant_cache",
+    "KVCacheBuilder": "veloxquant_mlx.cache.builder",
+    "make_prompt_cache": "veloxquant_mlx.cache.builder",
+    "save_prompt_cache": "veloxquant_mlx.cache.prompt_cache_io",
+    "load_prompt_cache": "veloxquant_mlx.cache.prompt_cache_io",
+    "mlx_lm_cache_classes": "veloxquant_mlx.cache.prompt_cache_io",
+    "SERVABLE_METHODS": "veloxquant_mlx.cache.base",
+    "STANDALONE_METHODS": "veloxquant_mlx.cache.base",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'veloxquant_mlx.cache' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

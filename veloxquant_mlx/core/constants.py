@@ -1,0 +1,17 @@
+"""Numeric constants shared by the caches (one place, so the byte accounting and the
+quantizers agree on them)."""
+from __future__ import annotations
+
+#: Tokens the outlier detector observes before it picks the outlier channels.
+DEFAULT_N_CALIB_TOKENS = 128
+
+#: Largest int8 code of a symmetric absmax quantizer (codes lie in [-127, 127]; -128 is unused
+#: so that the grid is symmetric around zero).
+INT8_MAX = 127
+
+#: Largest finite float16 value: an fp16 scale of absmax / INT8_MAX overflows past
+#: INT8_MAX * FLOAT16_MAX (about 8.3e6).
+FLOAT16_MAX = 65504.0
+
+#: Rows by which the standalone cache's buffers grow (same step as mlx_lm's KVCache).
+CACHE_GROWTH_STEP = 256
