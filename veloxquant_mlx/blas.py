@@ -55,6 +55,29 @@ def ensure_openblas(argv: Optional[List[str]] = None) -> None:
     os.execve(sys.executable, [sys.executable] + argv, env)
 
 
+def load_openblas_global() -> bool:
+    """In-process alternative to the re-exec: ``dlopen`` OpenBLAS with RTLD_GLOBAL before MLX loads.
+
+    Symbols of a library opened RTLD_GLOBAL precede a later library's own dependencies, so MLX's
+    BLAS calls then go to OpenBLAS. Only effective before ``import mlx``; used by the test suite,
+    which cannot re-exec pytest. Returns True when OpenBLAS was loaded.
+    """
+    if not sys.platform.startswith("linux") or os.environ.get(OPT_OUT_ENV):
+        return False
+    if "mlx.core" in sys.modules:
+        return False
+    lib = openblas_path()
+    if lib is None:
+        return False
+    import ctypes
+
+    try:
+        ctypes.CDLL(lib, mode=os.RTLD_GLOBAL)
+    except OSError:
+        return False
+    return True
+
+
 def _original_argv() -> List[str]:
     """The arguments that started this interpreter (``-m module`` kept), for the re-exec."""
     orig = getattr(sys, "orig_argv", None)  # Python 3.10+: the full interpreter command line

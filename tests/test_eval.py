@@ -1,0 +1,200 @@
+"""The evaluation harness on a tiny random model (no packages needed) and on the real model."""
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from veloxquant_mlx.eval import (
+    CacheSpec,
+    baseline_specs,
+    cache_memory,
+    measure_bytes_per_token,
+    model_kv_shape,
+    passkey_eval,
+    passkey_prompt,
+    perplexity_eval,
+    perplexity_full_forward,
+    plan_context,
+    registered_specs,
+    resolve_spec,
+    speed_eval,
+    window_starts,
+)
+from veloxquant_mlx.eval import corpus as corpus_mod
+
+
+# ----------------------------------------------------------------------------- tiny model
+def test_lockstep_baselines_on_tiny_model(tiny_model, random_tokens):
+    specs = baseline_specs()
+    # context a multiple of mlx_lm's 256-token allocation step, so nbytes holds no unused tail
+    r = perplexity_eval(tiny_model, random_tokens, specs, context=256, n_windows=2, chunk=64, progress=False)
+    assert list(r) == [s.name for s in specs]
+    kv = r["kv"]
+    assert kv["kl"] == 0.0 and kv["top1"] == 1.0 and kv["tokens"] == 512
+    assert math.isfinite(kv["ppl"]) and kv["ppl"] > 1.0
+    _, kv_heads, head_dim = model_kv_shape(tiny_model)
+    for b in (8, 4, 2):
+        q = r[f"mlx-q{b}"]
+        assert q["kl"] >= -1e-6 and 0.0 <= q["top1"] <= 1.0
+        assert math.isclose(q["delta_ppl"], q["ppl"] - kv["ppl"], rel_tol=1e-9)
+        # stored format: b-bit codes + a float32 scale and bias per 64 coordinates
+        assert q["memory"]["bits_per_coordinate"] == pytest.approx(b + 2 * 32 / 64)
+    assert kv["memory"]["bits_per_coordinate"] == pytest.approx(32.0)
+    # coarser quantization drifts further from the plain cache
+    assert r["mlx-q8"]["kl"] < r["mlx-q2"]["kl"]
+
+
+@settings(max_examples=6, deadline=None)
+@given(chunk=st.sampled_from([1, 7, 32, 64, 100, 256]), context=st.integers(8, 160))
+def test_chunked_cache_equals_full_forward_tiny(tiny_model, random_tokens, chunk, context):
+    r = perplexity_eval(tiny_model, random_tokens, baseline_specs()[:1], context, chunk=chunk, progress=False)
+    full = perplexity_full_forward(tiny_model, random_tokens, context)
+    assert r["kv"]["ppl"] == pytest.approx(full, rel=1e-4)
+
+
+def test_window_starts_and_errors():
+    assert window_starts(1000, 100, 3) == [0, 100, 200]
+    with pytest.raises(ValueError, match="need"):
+        window_starts(300, 100, 3)
+    with pytest.raises(ValueError, match="n_windows"):
+        window_starts(300, 100, 0)
+
+
+def test_passkey_on_tiny_model(tiny_model, tiny_tokenizer, random_tokens):
+    specs = baseline_specs()[:2]
+    r = passkey_eval(tiny_model, tiny_tokenizer, random_tokens, specs, lengths=(300, 400), depths=(0.1, 0.9),
+                     max_new_tokens=3, progress=False)
+    for s in specs:
+        assert r[s.name]["total"] == 4
+        assert 0 <= r[s.name]["passed"] <= 4
+        keys = [t["key"] for t in r[s.name]["trials"]]
+        assert all(len(k) == 5 and k.isdigit() for k in keys)
+    # same seeded keys for every method
+    assert [t["key"] for t in r["kv"]["trials"]] == [t["key"] for t in r["mlx-q8"]["trials"]]
+
+
+@settings(max_examples=10, deadline=None)
+@given(length=st.integers(260, 900), depth=st.floats(0.0, 1.0))
+def test_passkey_prompt_exact_length_and_contains_key(tiny_tokenizer, random_tokens, length, depth):
+    ids = passkey_prompt(tiny_tokenizer, random_tokens, length, depth, "12345")
+    assert len(ids) == length
+    needle = tiny_tokenizer.encode("The pass key is 12345.")
+    s = ",".join(map(str, ids))
+    assert ",".join(map(str, needle)) in s
+
+
+def test_speed_and_memory_on_tiny_model(tiny_model, random_tokens):
+    spec = baseline_specs()[0]
+    r = speed_eval(tiny_model, random_tokens, spec, context=256, decode_tokens=4, progress=False)
+    n_layers, kv_heads, head_dim = model_kv_shape(tiny_model)
+    assert r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0
+    assert r["decode_tokens"] == 4
+    assert r["bytes_per_token"] == n_layers * 2 * kv_heads * head_dim * 4  # float32 keys + values
+    assert r["peak_memory_bytes"] > 0
+
+
+@settings(max_examples=8, deadline=None)
+@given(kv_heads=st.integers(1, 4), head_dim=st.sampled_from([64, 128]), bits=st.sampled_from([2, 4, 8]))
+def test_measured_bytes_match_storage_format(kv_heads, head_dim, bits):
+    plain = measure_bytes_per_token(baseline_specs()[0].make_cache, kv_heads, head_dim)
+    assert plain["bytes_per_token_per_layer"] == 2 * kv_heads * head_dim * 4
+    assert plain["fixed_bytes"] == pytest.approx(0.0)
+    q = measure_bytes_per_token(resolve_spec(f"mlx-q{bits}").make_cache, kv_heads, head_dim)
+    # random data is float32: codes + float32 scale and bias per group of 64
+    assert q["bits_per_coordinate"] == pytest.approx(bits + 64 / 64)
+
+
+@settings(max_examples=30, deadline=None)
+@given(bpt=st.floats(1.0, 1e5), layers=st.integers(1, 100), ram=st.floats(1e3, 1e12))
+def test_plan_context_is_the_longest_that_fits(bpt, layers, ram):
+    n = plan_context(bpt, layers, ram)
+    assert n * bpt * layers <= ram * (1 + 1e-12)
+    assert (n + 1) * bpt * layers > ram * (1 - 1e-12)
+
+
+def test_cache_memory_rejects_empty():
+    with pytest.raises(ValueError, match="n_tokens"):
+        cache_memory([], 0, 1, 64)
+
+
+def test_spec_registry_and_resolution():
+    names = [s.name for s in registered_specs(64)]
+    assert names[:4] == ["kv", "mlx-q8", "mlx-q4", "mlx-q2"]
+    assert resolve_spec("fp16").name == "kv"
+    assert resolve_spec("mlx-q", 4).name == "mlx-q4"
+    assert resolve_spec("mlx-q4", 4).name == "mlx-q4"
+    with pytest.raises(ValueError, match="unknown method"):
+        resolve_spec("nope")
+    with pytest.raises(ValueError, match="out of range"):
+        resolve_spec("mlx-q", 3)
+    with pytest.raises(ValueError, match="needs --bits"):
+        resolve_spec("mlx-q")
+    with pytest.raises(ValueError, match="not quantized"):
+        resolve_spec("kv", 4)
+
+
+def test_custom_cache_factory_plugs_in(tiny_model, random_tokens):
+    """Any make_cache(model) -> list works, e.g. a cache converted from KVCache on the fly."""
+    from mlx_lm.models.cache import KVCache
+
+    spec = CacheSpec("my-kv", lambda m: [KVCache() for _ in m.layers], family="custom")
+    r = perplexity_eval(tiny_model, random_tokens, [spec], context=64, chunk=32, progress=False)
+    assert r["my-kv"]["kl"] == pytest.approx(0.0, abs=1e-6) and r["my-kv"]["top1"] == 1.0
+
+
+# ----------------------------------------------------------------------------- corpus
+def test_html_paragraphs_keep_prose_drop_code():
+    html = (
+        "<html><head><title>t</title></head><body>"
+        "<p>This is a real paragraph of English prose with <em>some</em> words.</p>"
+        "<pre>$ sudo apt-get install something long enough to count as words</pre>"
+        "<p><code>apt-get install foo bar baz qux quux</code> run</p>"
+        "<ul><li><p>A list item that also reads like normal prose text.</p></li></ul>"
+        "<p>too short</p></body></html>"
+    )
+    paras = corpus_mod.html_paragraphs(html)
+    assert paras == [
+        "This is a real paragraph of English prose with some words.",
+        "A list item that also reads like normal prose text.",
+    ]
+
+
+def test_missing_corpus_says_how_to_install(tmp_path):
+    with pytest.raises(corpus_mod.CorpusMissing, match="apt-get install debian-reference-en"):
+        corpus_mod.corpus_files(str(tmp_path))
+
+
+# ----------------------------------------------------------------------------- real model
+@pytest.fixture(scope="module")
+def corpus_ids(smollm2):
+    import os
+
+    if not os.path.isdir(corpus_mod.CORPUS_DIR):
+        pytest.skip(f"corpus missing: {corpus_mod.INSTALL_HINT}")
+    return corpus_mod.corpus_tokens(smollm2[1])
+
+
+@pytest.mark.model
+def test_corpus_is_large_and_deterministic(smollm2, corpus_ids):
+    assert len(corpus_ids) >= 100_000
+    corpus_mod.corpus_text.cache_clear()
+    assert corpus_mod.corpus_tokens(smollm2[1])[:5000] == corpus_ids[:5000]
+
+
+@pytest.mark.model
+def test_chunked_kvcache_ppl_equals_full_forward_smollm2(smollm2, corpus_ids):
+    model, _ = smollm2
+    r = perplexity_eval(model, corpus_ids, baseline_specs()[:1], context=128, chunk=32, progress=False)
+    full = perplexity_full_forward(model, corpus_ids, 128)
+    assert r["kv"]["ppl"] == pytest.approx(full, rel=1e-3)
+    assert 1.0 < full < 100.0  # coherent model on English prose (garbage RoPE gives thousands)
+
+
+def test_passkey_prompt_too_short_is_an_error(tiny_tokenizer, random_tokens):
+    with pytest.raises(ValueError, match="too short"):
+        passkey_prompt(tiny_tokenizer, random_tokens, 50, 0.5, "12345")
+    with pytest.raises(ValueError, match="depth"):
+        passkey_prompt(tiny_tokenizer, random_tokens, 500, 1.5, "12345")

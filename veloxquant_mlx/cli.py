@@ -1,0 +1,410 @@
+"""``veloxquant``: demo, generate, eval (ppl | needle | speed), methods, plan.
+
+MLX is imported lazily inside the commands: when run as a program, :func:`main` first re-executes
+itself with Debian's OpenBLAS preloaded (see :mod:`veloxquant_mlx.blas`), which must happen
+before MLX maps its BLAS.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import List, Optional
+
+DEMO_PROMPT = "What is the capital of France?"
+MAX_BITS = 16
+
+
+class CLIError(Exception):
+    """A user error: printed as one line on stderr; exit code ``code`` (2 for usage errors)."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
+
+
+# ----------------------------------------------------------------------------- argument helpers
+def _positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
+    return v
+
+
+def _int_list(s: str) -> List[int]:
+    return [_positive_int(x) for x in s.split(",") if x.strip()]
+
+
+def _depths(s: str) -> List[float]:
+    out = []
+    for x in s.split(","):
+        try:
+            v = float(x)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"depths must be numbers in [0, 1], got {x!r}")
+        if not 0.0 <= v <= 1.0:
+            raise argparse.ArgumentTypeError(f"depths must be within [0, 1], got {x!r}")
+        out.append(v)
+    return out
+
+
+def _bits(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bits must be a number in (0, {MAX_BITS}], got {s!r}")
+    if not 0 < v <= MAX_BITS:
+        raise argparse.ArgumentTypeError(f"bits out of range: {s} (allowed: 0 < bits <= {MAX_BITS})")
+    return v
+
+
+def _positive_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {s!r}")
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {s!r}")
+    return v
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of exiting, so ``main`` controls output and exit codes."""
+
+    def error(self, message):
+        raise CLIError(f"{self.prog}: {message}", code=2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="veloxquant", description="TurboQuant KV-cache compression for MLX: demo and evaluation")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    def model_opt(q):
+        q.add_argument("--model", default="smollm2",
+                       help="'smollm2' (embedded GGUF, default), a .gguf file or an mlx_lm model directory")
+        q.add_argument("--quantized-weights", action="store_true",
+                       help="keep GGUF weights 4/8-bit quantized (slower on CPU) instead of float32")
+        q.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+    def methods_opt(q):
+        q.add_argument("--methods", default="all", help="comma-separated method names, or 'all' (default)")
+
+    d = sub.add_parser("demo", help="plain cache vs every registered method on the embedded model")
+    model_opt(d)
+    methods_opt(d)
+    d.add_argument("--prompt", default=DEMO_PROMPT)
+    d.add_argument("--context", type=_positive_int, default=512, help="perplexity slice length (tokens)")
+    d.add_argument("--max-tokens", type=_positive_int, default=24)
+    d.add_argument("--out", help="also write the results as JSON")
+
+    g = sub.add_parser("generate", help="stream a chat answer through one cache method")
+    model_opt(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--method", default="kv", help="kv/fp16, mlx-q8/q4/q2, a family with --bits, ... (see `methods`)")
+    g.add_argument("--bits", type=_bits, default=None)
+    g.add_argument("--max-tokens", type=_positive_int, default=128)
+    g.add_argument("--raw", action="store_true", help="no chat template: continue the prompt text")
+
+    e = sub.add_parser("eval", help="perplexity/KL, passkey retrieval or speed; JSON output")
+    esub = e.add_subparsers(dest="eval_kind", metavar="KIND", parser_class=_Parser)
+    esub.required = True
+    ep = esub.add_parser("ppl", help="perplexity, Δ vs plain cache, KL, top-1 agreement")
+    ep.add_argument("--contexts", type=_int_list, default=[512])
+    ep.add_argument("--windows", type=_positive_int, default=1, help="windows per context (window i at token i*context)")
+    ep.add_argument("--plot", help="PNG: Δ perplexity against bits per coordinate (needs matplotlib)")
+    en = esub.add_parser("needle", help="passkey retrieval at several lengths and depths")
+    en.add_argument("--lengths", type=_int_list, default=[1024, 2048, 4096])
+    en.add_argument("--depths", type=_depths, default=[0.1, 0.5, 0.9])
+    en.add_argument("--seed", type=int, default=0)
+    es = esub.add_parser("speed", help="prefill/decode tokens per second, cache bytes, peak memory")
+    es.add_argument("--context", type=_positive_int, default=512)
+    es.add_argument("--decode-tokens", type=_positive_int, default=32)
+    for q in (ep, en, es):
+        model_opt(q)
+        methods_opt(q)
+        q.add_argument("--out", help="write the results as JSON")
+        if q is not ep:
+            q.set_defaults(plot=None)
+
+    m = sub.add_parser("methods", help="registered methods with measured bytes per token per layer")
+    m.add_argument("--head-dim", type=_positive_int, default=64)
+    m.add_argument("--kv-heads", type=_positive_int, default=1)
+
+    pl = sub.add_parser("plan", help="longest context whose KV cache fits in RAM, per method")
+    pl.add_argument("--layers", type=_positive_int, required=True)
+    pl.add_argument("--kv-heads", type=_positive_int, required=True)
+    pl.add_argument("--head-dim", type=_positive_int, required=True)
+    pl.add_argument("--ram-gb", type=_positive_float, required=True, help="memory for the KV cache, GiB")
+    return p
+
+
+# ----------------------------------------------------------------------------- shared pieces
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _load(args):
+    from .blas import loaded_blas
+    from .models import load_model
+
+    t0 = time.perf_counter()
+    model, tok = load_model(args.model, quantized=args.quantized_weights)
+    _say(f"model {args.model} loaded in {time.perf_counter() - t0:.1f} s; BLAS: {loaded_blas()}")
+    return model, tok
+
+
+def _check_context(model, n: int, what: str) -> None:
+    from .models import max_context
+
+    limit = max_context(model)
+    if limit is not None and n > limit:
+        raise CLIError(f"{what} of {n} tokens is longer than the model allows ({limit})")
+
+
+def _select_specs(model_or_head_dim, methods: str):
+    from .eval.memory import model_kv_shape
+    from .eval.specs import registered_specs, resolve_spec
+
+    head_dim = model_or_head_dim if isinstance(model_or_head_dim, int) else model_kv_shape(model_or_head_dim)[2]
+    specs = registered_specs(head_dim)
+    if methods.strip() == "all":
+        return specs
+    chosen = []
+    for name in [m.strip() for m in methods.split(",") if m.strip()]:
+        s = resolve_spec(name, None, head_dim)  # raises ValueError naming the allowed methods
+        if s.name not in {c.name for c in chosen}:
+            chosen.append(s)
+    if not chosen:
+        raise CLIError("--methods: no method given")
+    return chosen
+
+
+def _with_reference(specs):
+    from .eval.specs import baseline_specs
+
+    ref = baseline_specs()[0]
+    return specs if any(s.name == ref.name for s in specs) else [ref] + list(specs)
+
+
+def _write_json(path: Optional[str], data) -> None:
+    if not path:
+        return
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+    _say(f"wrote {path}")
+
+
+def _table(headers: List[str], rows: List[List[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def _chat_ids(tok, prompt: str, raw: bool = False) -> List[int]:
+    if not raw and getattr(tok, "has_chat_template", False):
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+        return list(tok.encode(text, add_special_tokens=False))
+    return list(tok.encode(prompt))
+
+
+def _require_matplotlib():
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise CLIError("--plot needs matplotlib: pip install 'veloxquant-mlx[plot]' (or pip install matplotlib)")
+
+
+def plot_ppl(results: dict, path: str) -> None:
+    """Δ perplexity against measured bits per coordinate, one marker series per method family."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for ctx, per_method in results["ppl"].items():
+        for name, r in per_method.items():
+            ax.scatter(r["memory"]["bits_per_coordinate"], r["delta_ppl"], label=f"{name} @ {ctx}")
+    ax.set_xlabel("bits per coordinate (measured)")
+    ax.set_ylabel("Δ perplexity vs plain KVCache")
+    ax.axhline(0.0, color="grey", lw=0.5)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    _say(f"wrote {path}")
+
+
+# ----------------------------------------------------------------------------- commands
+def cmd_demo(args) -> int:
+    from .eval import corpus_tokens, perplexity_eval
+    from .eval.forward import greedy_decode, prefill
+
+    model, tok = _load(args)
+    _check_context(model, args.context, "--context")
+    specs = _with_reference(_select_specs(model, args.methods))
+    tokens = corpus_tokens(tok)
+    ppl = perplexity_eval(model, tokens, specs, args.context, n_windows=1, progress=not args.no_progress)
+    ids = _chat_ids(tok, args.prompt)
+    eos = getattr(tok, "eos_token_ids", None) or []
+    results = {"prompt": args.prompt, "context": args.context, "methods": {}}
+    from tqdm.auto import tqdm
+
+    for s in tqdm(specs, desc="answers", disable=args.no_progress, leave=False):
+        cache = s.make_cache(model)
+        logits = prefill(model, ids, cache)
+        t0 = time.perf_counter()
+        gen = greedy_decode(model, logits, cache, args.max_tokens, eos_ids=eos)
+        dt = time.perf_counter() - t0
+        results["methods"][s.name] = {
+            "spec": s.to_dict(),
+            "ppl": ppl[s.name],
+            "decode_tokens_per_s": len(gen) / dt,
+            "answer": tok.decode([t for t in gen if t not in eos]).strip(),
+        }
+    rows = []
+    for name, r in results["methods"].items():
+        mem = r["ppl"]["memory"]
+        rows.append([name, f"{mem['bits_per_coordinate']:.2f}", f"{mem['mib_total']:.2f}",
+                     f"{r['ppl']['ppl']:.3f}", f"{r['ppl']['delta_ppl']:+.3f}", f"{r['ppl']['kl']:.4f}",
+                     f"{r['decode_tokens_per_s']:.1f}"])
+    print(f"\nperplexity slice: {args.context} tokens of the Debian Reference (window 0); prompt: {args.prompt!r}")
+    print(_table(["method", "bits/coord", f"KV MiB @{args.context}", "ppl", "Δppl", "KL", "decode tok/s"], rows))
+    print()
+    for name, r in results["methods"].items():
+        print(f"[{name}] {r['answer']}")
+    _write_json(args.out, results)
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from mlx_lm import stream_generate
+
+    from .eval.memory import model_kv_shape
+    from .eval.specs import resolve_spec
+
+    model, tok = _load(args)
+    spec = resolve_spec(args.method, args.bits, model_kv_shape(model)[2])
+    ids = _chat_ids(tok, args.prompt, raw=args.raw)
+    _check_context(model, len(ids) + args.max_tokens, "prompt plus --max-tokens")
+    cache = spec.make_cache(model)
+    last = None
+    for resp in stream_generate(model, tok, ids, max_tokens=args.max_tokens, prompt_cache=cache, prefill_step_size=256):
+        print(resp.text, end="", flush=True)
+        last = resp
+    print()
+    if last is not None:
+        _say(f"[{spec.name}] prompt {last.prompt_tokens} tok at {last.prompt_tps:.1f} tok/s, "
+             f"generated {last.generation_tokens} tok at {last.generation_tps:.1f} tok/s")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from .eval import corpus_tokens, passkey_eval, perplexity_eval, speed_eval
+
+    if args.plot:
+        if args.eval_kind != "ppl":
+            raise CLIError("--plot is only available for `eval ppl`")
+        _require_matplotlib()
+    model, tok = _load(args)
+    specs = _select_specs(model, args.methods)
+    progress = not args.no_progress
+    tokens = corpus_tokens(tok)
+    out = {"kind": args.eval_kind, "model": args.model, "methods": [s.to_dict() for s in specs]}
+    if args.eval_kind == "ppl":
+        for c in args.contexts:
+            _check_context(model, c, "--contexts")
+        specs = _with_reference(specs)
+        out["ppl"] = {}
+        for c in args.contexts:
+            out["ppl"][str(c)] = perplexity_eval(model, tokens, specs, c, n_windows=args.windows, progress=progress)
+        rows = [[name, ctx, f"{r['memory']['bits_per_coordinate']:.2f}", f"{r['ppl']:.3f}",
+                 f"{r['delta_ppl']:+.3f}", f"{r['kl']:.4f}", f"{r['top1']:.3f}"]
+                for ctx, per in out["ppl"].items() for name, r in per.items()]
+        print(_table(["method", "ctx", "bits/coord", "ppl", "Δppl", "KL", "top-1"], rows))
+    elif args.eval_kind == "needle":
+        for L in args.lengths:
+            _check_context(model, L + 16, "--lengths")
+        out["needle"] = passkey_eval(model, tok, tokens, specs, lengths=args.lengths, depths=args.depths,
+                                     seed=args.seed, progress=progress)
+        print(_table(["method", "passed"], [[n, f"{r['passed']}/{r['total']}"] for n, r in out["needle"].items()]))
+    else:
+        _check_context(model, args.context + args.decode_tokens, "--context plus --decode-tokens")
+        out["speed"] = {s.name: speed_eval(model, tokens, s, args.context, decode_tokens=args.decode_tokens,
+                                           progress=progress) for s in specs}
+        rows = [[n, f"{r['prefill_tokens_per_s']:.1f}", f"{r['decode_tokens_per_s']:.1f}",
+                 f"{r['bytes_per_token']:.0f}", f"{r['bits_per_coordinate']:.2f}", f"{r['peak_memory_bytes'] / 2**20:.1f}"]
+                for n, r in out["speed"].items()]
+        print(_table(["method", "prefill tok/s", "decode tok/s", "bytes/token", "bits/coord", "peak MiB"], rows))
+    _write_json(args.out, out)
+    if args.plot:
+        plot_ppl(out, args.plot)
+    return 0
+
+
+def _measured(head_dim: int, kv_heads: int):
+    from .eval.memory import measure_bytes_per_token
+    from .eval.specs import registered_specs
+
+    return [(s, measure_bytes_per_token(s.make_cache, kv_heads, head_dim)) for s in registered_specs(head_dim)]
+
+
+def cmd_methods(args) -> int:
+    rows = [[s.name, s.family, "-" if s.bits is None else f"{s.bits:g}", f"{m['bytes_per_token_per_layer']:.1f}",
+             f"{m['bits_per_coordinate']:.3f}", s.description]
+            for s, m in _measured(args.head_dim, args.kv_heads)]
+    print(f"measured with head_dim={args.head_dim}, kv_heads={args.kv_heads} (random keys/values, 256->512 tokens)")
+    print(_table(["method", "family", "bits", "bytes/token/layer", "bits/coord", "description"], rows))
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from .eval.memory import plan_context
+
+    ram = args.ram_gb * 2**30
+    rows = []
+    for s, m in _measured(args.head_dim, args.kv_heads):
+        bpt = m["bytes_per_token_per_layer"]
+        rows.append([s.name, f"{bpt * args.layers:.0f}", f"{plan_context(bpt, args.layers, ram):,}"])
+    print(f"KV cache budget {args.ram_gb:g} GiB; {args.layers} layers x {args.kv_heads} kv heads x head_dim {args.head_dim}")
+    print(_table(["method", "bytes/token (all layers)", "max context (tokens)"], rows))
+    return 0
+
+
+COMMANDS = {"demo": cmd_demo, "generate": cmd_generate, "eval": cmd_eval, "methods": cmd_methods, "plan": cmd_plan}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point. ``argv=None`` means a real process: re-exec with OpenBLAS first if useful."""
+    if argv is None:
+        from .blas import ensure_openblas
+
+        ensure_openblas()
+        argv = sys.argv[1:]
+    from .eval.corpus import CorpusMissing
+    from .models import ModelPackageMissing
+
+    try:
+        args = build_parser().parse_args(argv)
+        return COMMANDS[args.command](args)
+    except (CLIError, ValueError, TypeError, FileNotFoundError, ModelPackageMissing, CorpusMissing) as e:
+        msg = str(e)
+        print(msg if msg.startswith("veloxquant") else f"veloxquant: error: {msg}", file=sys.stderr)
+        return e.code if isinstance(e, CLIError) else 1
+    except SystemExit as e:  # argparse --help
+        return int(e.code or 0)
+    except KeyboardInterrupt:
+        print("veloxquant: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
