@@ -1,0 +1,93 @@
+"""Peak memory of a long prefill + decode through mlx_lm with each cache, in one process.
+
+For each cache: clear MLX's buffer cache, reset the peak counter, then run ``mlx_lm``'s
+``generate_step`` (what ``mlx_lm.generate`` uses) over a ``--prompt``-token prompt and ``--decode``
+greedy tokens; report ``mx.get_peak_memory()`` (model weights included) and the cache's stored bytes.
+
+    python benchmarks/memory.py --prompt 4096 --decode 100 --out results/memory.json
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+
+from veloxquant_mlx.blas import ensure_openblas
+
+ensure_openblas()
+
+import mlx.core as mx  # noqa: E402
+from mlx.utils import tree_flatten  # noqa: E402
+from mlx_lm.generate import generate_step  # noqa: E402
+from mlx_lm.models.cache import KVCache, QuantizedKVCache  # noqa: E402
+
+import veloxquant_mlx as vq  # noqa: E402
+from veloxquant_mlx.eval import corpus_tokens  # noqa: E402
+from veloxquant_mlx.models.loader import load_model  # noqa: E402
+
+CACHES = {
+    "kv": lambda m: [KVCache() for _ in m.layers],
+    "mlx-q4": lambda m: [QuantizedKVCache(group_size=64, bits=4) for _ in m.layers],
+    "mlx-q8": lambda m: [QuantizedKVCache(group_size=64, bits=8) for _ in m.layers],
+    "tq-k4v4": lambda m: vq.make_prompt_cache(m, k_bits=4, v_bits=4),
+    "tq-k5v3-o8": lambda m: vq.make_prompt_cache(m, k_bits=5, v_bits=3, n_outlier_channels=8),
+    "tq-k4v2-o8": lambda m: vq.make_prompt_cache(m, k_bits=4, v_bits=2, n_outlier_channels=8),
+    "seed-rvq-b2": lambda m: vq.make_prompt_cache(m, kind="rvq", k_bits=2),
+}
+
+
+def run_one(model, prompt, make, n_decode, prefill_step):
+    gc.collect()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    cache = make(model)
+    t0 = time.time()
+    tokens = []
+    for tok, _ in generate_step(prompt, model, prompt_cache=cache, max_tokens=n_decode,
+                                prefill_step_size=prefill_step):
+        tokens.append(int(tok))
+    seconds = time.time() - t0
+    peak = mx.get_peak_memory()
+    stored = sum(int(getattr(c, "live_nbytes", c.nbytes)) for c in cache)
+    del cache
+    return {"peak_bytes": int(peak), "peak_mib": peak / 2**20, "cache_bytes": stored,
+            "cache_mib": stored / 2**20, "seconds": seconds, "tokens": tokens}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--prompt", type=int, default=4096)
+    ap.add_argument("--decode", type=int, default=100)
+    ap.add_argument("--prefill-step", type=int, default=2048, help="mlx_lm's prefill_step_size")
+    ap.add_argument("--caches", default="kv,mlx-q4,tq-k4v4,tq-k5v3-o8,tq-k4v2-o8")
+    ap.add_argument("--out", default="results/memory.json")
+    args = ap.parse_args(argv)
+
+    model, tokenizer = load_model(args.model)
+    mx.eval(model.parameters())
+    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    prompt = mx.array(corpus_tokens(tokenizer, min_tokens=args.prompt)[: args.prompt])
+    out = {"model": args.model, "prompt": args.prompt, "decode": args.decode, "weights_bytes": int(weights),
+           "caches": {}}
+    names = [n for n in args.caches.split(",") if n]
+    for name in names:
+        if name not in CACHES:
+            raise SystemExit(f"unknown cache {name!r}; choose from {sorted(CACHES)}")
+        r = run_one(model, prompt, CACHES[name], args.decode, args.prefill_step)
+        out["caches"][name] = r
+        print(f"{name:12s} peak {r['peak_mib']:8.1f} MiB  cache {r['cache_mib']:7.2f} MiB  {r['seconds']:6.1f} s",
+              flush=True)
+    if "mlx-q4" in out["caches"]:
+        ref = out["caches"]["mlx-q4"]["peak_bytes"]
+        out["not_above_mlx_q4"] = {n: r["peak_bytes"] <= ref for n, r in out["caches"].items()}
+        print("peak <= mlx-q4's:", out["not_above_mlx_q4"])
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

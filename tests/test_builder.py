@@ -1,0 +1,119 @@
+"""KVCacheBuilder / make_prompt_cache: what each model's layers get."""
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import cache as mlx_cache
+from mlx_lm.models import gemma3_text, llama, qwen3
+
+import veloxquant_mlx as vq
+from veloxquant_mlx.cache import (
+    KVCacheBuilder,
+    TurboQuantPackedCache,
+    TurboQuantRotatingPackedCache,
+    TurboQuantRVQKVCache,
+)
+
+COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+
+
+def llama_model(layers=3):
+    return llama.Model(llama.ModelArgs(model_type="llama", num_hidden_layers=layers, rms_norm_eps=1e-5, **COMMON))
+
+
+def gemma_model():
+    return gemma3_text.Model(gemma3_text.ModelArgs(
+        model_type="gemma3_text", num_hidden_layers=4, head_dim=32, sliding_window=16,
+        sliding_window_pattern=2, query_pre_attn_scalar=32, **COMMON))
+
+
+class HybridModel:
+    """Stands in for a hybrid (SSM + attention) model: its own make_cache decides the layout."""
+
+    layers = [object(), object(), object()]
+
+    def make_cache(self):
+        return [mlx_cache.ArraysCache(2), mlx_cache.KVCache(),
+                mlx_cache.CacheList(mlx_cache.KVCache(), mlx_cache.ArraysCache(1))]
+
+
+def test_fresh_caches_on_every_call():
+    model = llama_model()
+    a, b = vq.make_prompt_cache(model), vq.make_prompt_cache(model)
+    assert len(a) == 3 and all(type(c) is TurboQuantPackedCache for c in a)
+    assert all(x is not y for x, y in zip(a, b))
+    assert a[0].config.head_dim == 16  # read from the model (hidden_size / num_attention_heads)
+    c = KVCacheBuilder.for_model(model, vq.KVCacheConfig(method="turboquant_prod", bit_width_inlier=3))
+    assert all(x.config.method == "turboquant_prod" and x.k_bits == 3 for x in c)
+
+
+def test_per_layer_bits_and_options():
+    model = llama_model()
+    caches = vq.make_prompt_cache(model, k_bits=[4, 3, 2], v_bits=2, recent=8, sink=4, n_outlier_channels=4)
+    assert [c.k_bits for c in caches] == [4, 3, 2] and all(c.v_bits == 2 for c in caches)
+    assert all((c.recent, c.sink, c.config.n_outlier_channels) == (8, 4, 4) for c in caches)
+    with pytest.raises(ValueError, match="k_bits has 2 entries"):
+        vq.make_prompt_cache(model, k_bits=[4, 3])
+    with pytest.raises(ValueError, match="bit_width_inlier"):
+        vq.make_prompt_cache(model, k_bits=[4, 9, 4])
+    with pytest.raises(TypeError, match="unknown option"):
+        vq.make_prompt_cache(model, kbits=4)
+    with pytest.raises(ValueError, match="head_dim"):
+        vq.make_prompt_cache(model, head_dim=32)
+    with pytest.raises(ValueError, match="kind"):
+        vq.make_prompt_cache(model, kind="fp8")
+
+
+def test_sliding_window_layers_get_the_rotating_cache():
+    model = gemma_model()
+    base = model.make_cache()
+    ours = vq.make_prompt_cache(model, k_bits=4, sink=2)
+    for b, o in zip(base, ours):
+        if isinstance(b, mlx_cache.RotatingKVCache):
+            assert type(o) is TurboQuantRotatingPackedCache
+            assert (o.max_size, o.keep) == (b.max_size, b.keep)
+            assert o.sink == 0  # gemma3's windows keep no prefix, so no sink can survive in them
+        else:
+            assert type(o) is TurboQuantPackedCache and o.sink == 2
+    with pytest.raises(ValueError, match="sliding-window"):
+        vq.make_prompt_cache(model, kind="rvq", k_bits=2)
+
+
+def test_max_kv_size_gives_rotating_caches_like_mlx_lm():
+    class NoMakeCache:  # mlx_lm applies max_kv_size only to models without make_cache
+        layers = [object()] * 3
+
+    caches = vq.make_prompt_cache(NoMakeCache(), max_kv_size=32)
+    assert all(type(c) is TurboQuantRotatingPackedCache and (c.max_size, c.keep) == (32, 4) for c in caches)
+
+
+def test_non_attention_caches_stay_the_models_own():
+    caches = vq.make_prompt_cache(HybridModel(), k_bits=4)
+    assert type(caches[0]) is mlx_cache.ArraysCache and type(caches[1]) is TurboQuantPackedCache
+    assert type(caches[2]) is mlx_cache.CacheList
+    assert type(caches[2][0]) is TurboQuantPackedCache and type(caches[2][1]) is mlx_cache.ArraysCache
+
+
+def test_seed_rvq_kind():
+    caches = vq.make_prompt_cache(llama_model(2), kind="rvq", k_bits=1)
+    assert all(type(c) is TurboQuantRVQKVCache and c.assigned_bits == 1 for c in caches)
+    assert caches[0].config.method == "turboquant_rvq" and caches[0].config.head_dim == 16
+    with pytest.raises(ValueError, match="float16"):
+        vq.make_prompt_cache(llama_model(2), kind="rvq", v_bits=2)
+
+
+def test_bad_model_and_config():
+    with pytest.raises(TypeError, match="layers"):
+        vq.make_prompt_cache(object())
+    with pytest.raises(TypeError, match="KVCacheConfig"):
+        KVCacheBuilder.for_model(llama_model(), {"bit_width_inlier": 4})
+
+
+def test_caches_run_in_a_model_of_each_family():
+    for model in (llama_model(2), gemma_model(), qwen3.Model(qwen3.ModelArgs(
+            model_type="qwen3", num_hidden_layers=2, head_dim=16, tie_word_embeddings=True,
+            max_position_embeddings=128, rope_theta=10000.0, rms_norm_eps=1e-5, **COMMON))):
+        cache = vq.make_prompt_cache(model, k_bits=4, v_bits=3)
+        out = model(mx.array([list(range(20))]), cache=cache)
+        out = model(mx.array([[3]]), cache=cache)
+        assert out.shape == (1, 1, 64) and not mx.isnan(out).any().item()

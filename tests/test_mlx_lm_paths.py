@@ -1,0 +1,320 @@
+"""Our caches on every mlx_lm path, with tiny random models built in-process (no network).
+
+Random tiny models have nearly flat logits, so greedy decoding would repeat one token and any cache
+would "match". Every weight matrix except the query/key projections is multiplied by ``WEIGHT_SCALE`` (4):
+the greedy sequence then varies (checked: several distinct tokens) while attention stays soft.
+
+Even so, such models are chaotic: a 0.6 % relative perturbation of K and V (what 8-bit codes give, and
+what plain Gaussian noise of that size gives too) moves their logits by a few percent of their spread,
+and over 32 steps some top-1/top-2 gap is almost always smaller than that. So the 8-bit comparison is
+made where greedy margins are meaningful: with the plain cache's tokens fed to both caches, our top-1 must
+equal the plain cache's at every step whose plain top-1 margin is at least ``MARGIN`` x the logits' standard
+deviation, and those steps must be the majority; free-running, our tokens must equal the plain cache's up
+to the first near tie. A 1-bit cache fails the same check (see `test_one_bit_cache_fails_the_check`).
+"""
+from __future__ import annotations
+
+import copy
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_map_with_path
+from mlx_lm.generate import batch_generate, generate_step, speculative_generate_step, stream_generate
+from mlx_lm.models import cache as mlx_cache
+from mlx_lm.models import gemma3_text, llama, phi3, qwen3
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+import veloxquant_mlx as vq
+from veloxquant_mlx.cache.prompt_cache_io import mlx_lm_cache_classes
+
+WEIGHT_SCALE = 4.0
+MARGIN = 0.15
+N_TOKENS = 32
+PROMPT = [(i * 37 + 11) % 128 for i in range(24)]
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def tiny_model(name: str, dtype=mx.float32, seed: int = 0):
+    mx.random.seed(seed)
+    common = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=128, rms_norm_eps=1e-5)
+    if name == "llama":
+        model = llama.Model(llama.ModelArgs(model_type="llama", num_hidden_layers=2, **common))
+    elif name == "qwen3":
+        model = qwen3.Model(qwen3.ModelArgs(
+            model_type="qwen3", num_hidden_layers=2, head_dim=16, tie_word_embeddings=True,
+            max_position_embeddings=512, rope_theta=10000.0, **common))
+    elif name == "phi3":
+        model = phi3.Model(phi3.ModelArgs(model_type="phi3", num_hidden_layers=2, **common))
+    elif name == "gemma3":
+        # sliding_window=8 < prompt length: the rotating caches really evict during the test.
+        common.pop("rms_norm_eps")
+        model = gemma3_text.Model(gemma3_text.ModelArgs(
+            model_type="gemma3_text", num_hidden_layers=3, head_dim=16, sliding_window=8,
+            sliding_window_pattern=3, query_pre_attn_scalar=16, **common))
+    else:
+        raise ValueError(name)
+    scale = lambda path, w: w * WEIGHT_SCALE if w.ndim >= 2 and not any(  # noqa: E731
+        p in path for p in ("q_proj", "k_proj", "qkv_proj")) else w
+    model.update(tree_map_with_path(scale, model.parameters()))
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
+
+
+def greedy(model, cache, prompt, n=N_TOKENS):
+    """Greedy decode for a (B, L) prompt; returns (tokens (B, n) as lists, last logits)."""
+    logits = model(prompt, cache=cache)[:, -1]
+    out = []
+    for _ in range(n):
+        tok = mx.argmax(logits, axis=-1)
+        out.append(tok)
+        logits = model(tok[:, None], cache=cache)[:, -1]
+    return mx.stack(out, axis=1).tolist(), logits
+
+
+def batch_prompt(batch):
+    return mx.array([PROMPT] * batch) if batch == 1 else mx.array([PROMPT, PROMPT[::-1]])
+
+
+class FakeTokenizer:
+    """Just enough of a tokenizer for mlx_lm's TokenizerWrapper: token i is the text '<i>'."""
+
+    eos_token_id = None
+    bos_token = None
+    chat_template = None
+    all_special_ids = []
+
+    def get_vocab(self):
+        return {f"<{i}>": i for i in range(128)}
+
+    def apply_chat_template(self, messages, **kwargs):
+        raise NotImplementedError
+
+    def encode(self, text, add_special_tokens=True):
+        return [int(t) if t.isdigit() else 0 for t in text.split()]
+
+    def decode(self, ids, **kwargs):
+        return "".join(f"<{i}>" for i in ids)
+
+    def convert_ids_to_tokens(self, ids):
+        return [f"<{i}>" for i in ids] if isinstance(ids, list) else f"<{ids}>"
+
+
+# -- generation: 8-bit keys and values give the plain cache's greedy tokens ------------------------
+def compare_greedy(model, options, batch):
+    """Run the plain cache greedily; feed its tokens to our cache too. Returns per-step facts."""
+    prompt = batch_prompt(batch)
+    plain, ours = mlx_cache.make_prompt_cache(model), vq.make_prompt_cache(model, **options)
+    lp, lo = model(prompt, cache=plain)[:, -1], model(prompt, cache=ours)[:, -1]
+    steps = []
+    for _ in range(N_TOKENS):
+        lp32 = lp.astype(mx.float32)
+        top2 = mx.sort(lp32, axis=-1)[:, -2:]
+        confident = (top2[:, 1] - top2[:, 0]) >= MARGIN * mx.std(lp32, axis=-1)
+        tok = mx.argmax(lp, axis=-1)
+        steps.append((tok.tolist(), mx.argmax(lo, axis=-1).tolist(), confident.tolist()))
+        assert lo.dtype == lp.dtype
+        lp, lo = model(tok[:, None], cache=plain)[:, -1], model(tok[:, None], cache=ours)[:, -1]
+    return steps
+
+
+def free_running(model, options, batch):
+    prompt = batch_prompt(batch)
+    base, _ = greedy(model, mlx_cache.make_prompt_cache(model), prompt)
+    ours, logits = greedy(model, vq.make_prompt_cache(model, **options), prompt)
+    return base, ours, logits
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "phi3", "gemma3"])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("batch", [1, 2])
+def test_8bit_greedy_tokens_equal_plain_cache(name, dtype, batch):
+    model = tiny_model(name, DTYPES[dtype])
+    steps = compare_greedy(model, dict(k_bits=8, v_bits=8), batch)
+    for row in range(batch):
+        plain = [s[0][row] for s in steps]
+        assert len(set(plain)) >= 6, "degenerate baseline: the comparison would be vacuous"
+        confident = [s[2][row] for s in steps]
+        assert sum(confident) > N_TOKENS // 2
+        for tok_plain, tok_ours, ok in steps:
+            if ok[row]:
+                assert tok_ours[row] == tok_plain[row]
+    # Free-running: identical tokens up to the first near tie of the plain run.
+    base, ours, logits = free_running(model, dict(k_bits=8, v_bits=8), batch)
+    assert logits.dtype == DTYPES[dtype]
+    for row in range(batch):
+        first_tie = next((i for i, s in enumerate(steps) if not s[2][row]), N_TOKENS)
+        assert ours[row][: first_tie + 1] == base[row][: first_tie + 1]
+
+
+def test_fetch_returns_input_dtype():
+    for dtype in DTYPES.values():
+        cache = vq.cache.TurboQuantPackedCache(vq.KVCacheConfig(bit_width_inlier=4))
+        k = mx.random.normal((2, 2, 5, 16)).astype(dtype)
+        keys, values = cache.update_and_fetch(k, k)
+        assert keys.dtype == dtype and values.dtype == dtype
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_one_bit_cache_fails_the_check(name):
+    # The comparison above has teeth: a crude cache disagrees on confident steps.
+    steps = compare_greedy(tiny_model(name), dict(k_bits=1, v_bits=1, center_keys=False), 1)
+    assert any(ok[0] and t_ours[0] != t_plain[0] for t_plain, t_ours, ok in steps)
+
+
+def test_stream_generate_and_generate_with_prompt_cache():
+    model = tiny_model("qwen3")
+    tok = TokenizerWrapper(FakeTokenizer())
+    base = [r.token for r in stream_generate(model, tok, PROMPT, max_tokens=N_TOKENS)]
+    cache = vq.make_prompt_cache(model, k_bits=8, v_bits=8)
+    ours = [r.token for r in stream_generate(model, tok, PROMPT, max_tokens=N_TOKENS, prompt_cache=cache)]
+    steps = compare_greedy(model, dict(k_bits=8, v_bits=8), 1)
+    first_tie = next((i for i, s in enumerate(steps) if not s[2][0]), N_TOKENS)
+    assert len(set(base)) >= 6 and ours[: first_tie + 1] == base[: first_tie + 1]
+    assert cache[0].offset >= len(PROMPT) + N_TOKENS - 1  # generate_step runs one step ahead
+    # The same cache continues a conversation through mlx_lm.generate.
+    from mlx_lm import generate
+
+    text = generate(model, tok, [5, 6, 7], max_tokens=4, prompt_cache=cache)
+    assert text.count("<") == 4
+
+
+def test_speculative_decoding_trims_our_caches():
+    # Greedy speculative decoding must give the target model's own greedy tokens; with our caches that
+    # only holds if rejected draft tokens are trimmed correctly from both models' caches. The prompt is
+    # prefilled the same way for both runs (the caches fit their channel means on the first chunk). No
+    # recent window here: its exact tokens are counted from the end of each chunk, so a multi-token
+    # verification step sees fewer exact tokens than one-token decoding does (documented behaviour).
+    # The draft is the target model itself behind a cruder cache: it agrees often, not always.
+    model = tiny_model("llama")
+    options, draft_options = dict(k_bits=4, v_bits=4, sink=2), dict(k_bits=1, v_bits=1)
+
+    def prefilled(**opts):
+        cache = vq.make_prompt_cache(model, **opts)
+        model(mx.array([PROMPT[:-1]]), cache=cache)
+        return cache
+
+    last = mx.array(PROMPT[-1:])
+    plain = [int(t) for t, _ in generate_step(last, model, prompt_cache=prefilled(**options), max_tokens=16)]
+    cache = prefilled(**options) + prefilled(**draft_options)
+    gen = speculative_generate_step(last, model, model, prompt_cache=cache, max_tokens=16, num_draft_tokens=3)
+    out = [(int(t), from_draft) for t, _, from_draft in gen]
+    assert [t for t, _ in out] == plain and len(set(plain)) >= 6
+    assert any(d for _, d in out) and not all(d for _, d in out)  # drafts were both accepted and rejected
+
+
+# -- prompt-cache files ---------------------------------------------------------------------------------
+CONFIGS = {
+    "plain": dict(k_bits=4, v_bits=3),
+    "windows": dict(k_bits=3, v_bits=2, sink=2, recent=6, n_outlier_channels=4, outlier_bits=6),
+    "prod": dict(method="turboquant_prod", k_bits=4, v_bits=4),
+    "rvq_method": dict(method="turboquant_rvq", k_bits=2, v_bits=2),
+    "seed_rvq": dict(kind="rvq", k_bits=2),
+}
+
+
+@pytest.mark.parametrize("name,config", [("llama", c) for c in CONFIGS] + [("gemma3", "windows")])
+def test_save_load_continue_equals_uninterrupted(tmp_path, name, config):
+    options = CONFIGS[config]
+    model = tiny_model(name)
+    prompt = batch_prompt(1)
+    full, full_logits = greedy(model, vq.make_prompt_cache(model, **options), prompt, n=16)
+
+    cache = vq.make_prompt_cache(model, **options)
+    first, logits = greedy(model, cache, prompt, n=8)  # cache: prompt + 8 tokens; logits predict the 9th
+    path = str(tmp_path / "cache.safetensors")
+    vq.save_prompt_cache(path, cache, {"note": "test"})
+    loaded, meta = vq.load_prompt_cache(path, return_metadata=True)
+    assert meta["note"] == "test" and [type(c) for c in loaded] == [type(c) for c in cache]
+    assert [c.offset for c in loaded] == [c.offset for c in cache]
+    rest = []
+    for _ in range(8):
+        tok = mx.argmax(logits, axis=-1)
+        rest.append(tok.item())
+        logits = model(tok[:, None], cache=loaded)[:, -1]
+    assert first[0] + rest == full[0]
+    assert mx.array_equal(logits, full_logits)
+
+
+def test_mlx_lm_loader_works_inside_the_context_only(tmp_path):
+    model = tiny_model("llama")
+    cache = vq.make_prompt_cache(model, k_bits=4, v_bits=4, recent=4)
+    greedy(model, cache, batch_prompt(1), n=4)
+    path = str(tmp_path / "c.safetensors")
+    mlx_cache.save_prompt_cache(path, cache)  # mlx_lm's own writer handles our state
+    with pytest.raises(KeyError):
+        mlx_cache.load_prompt_cache(path)
+    with mlx_lm_cache_classes():
+        loaded = mlx_cache.load_prompt_cache(path)
+    assert "TurboQuantPackedCache" not in vars(mlx_cache)
+    k0, v0 = cache[0]._fetch(mx.float32)
+    k1, v1 = loaded[0]._fetch(mx.float32)
+    assert mx.array_equal(k0, k1) and mx.array_equal(v0, v1)
+
+
+# -- deepcopy and trim ------------------------------------------------------------------------------
+@pytest.mark.parametrize("options", [dict(k_bits=4), dict(k_bits=3, sink=2, recent=5), dict(kind="rvq", k_bits=2)])
+def test_deepcopy_is_independent(options):
+    model = tiny_model("llama")
+    cache = vq.make_prompt_cache(model, **options)
+    greedy(model, cache, batch_prompt(1), n=4)
+    snapshot = copy.deepcopy(cache)
+    offset = cache[0].offset
+    step = mx.array([[3]])
+    ref = model(step, cache=copy.deepcopy(snapshot))
+    for _ in range(5):  # moving the original on must not reach the copy
+        model(step, cache=cache)
+    assert snapshot[0].offset == offset and cache[0].offset == offset + 5
+    assert mx.array_equal(model(step, cache=snapshot), ref)
+    assert cache[0].offset == offset + 5  # ... nor the copy's update the original
+
+
+@pytest.mark.parametrize("name,options", [
+    ("llama", dict(k_bits=4, v_bits=4)),
+    ("llama", dict(k_bits=3, v_bits=2, sink=2, recent=6, n_outlier_channels=4)),
+    ("llama", dict(kind="rvq", k_bits=2)),
+    ("gemma3", dict(k_bits=4, recent=3)),
+])
+def test_trim_then_continue_is_consistent(name, options):
+    model = tiny_model(name)
+    cache = vq.make_prompt_cache(model, **options)
+    prompt = mx.array([PROMPT[:5]])  # short: gemma3's windows (8) stay trimmable
+    model(prompt, cache=cache)
+    extra = mx.array([[9, 8]])
+    before = model(extra, cache=cache)
+    assert mlx_cache.can_trim_prompt_cache(cache)
+    assert mlx_cache.trim_prompt_cache(cache, 2) == 2
+    assert all(c.offset == 5 for c in cache)
+    after = model(extra, cache=cache)
+    assert mx.allclose(before, after, atol=1e-5)
+    # Trimming into the prompt, then refeeding it, rebuilds the same state.
+    assert mlx_cache.trim_prompt_cache(cache, 6) == 6
+    model(mx.array([PROMPT[1:5]]), cache=cache)
+    assert mx.allclose(model(extra, cache=cache), before, atol=1e-5)
+
+
+# -- bytes ------------------------------------------------------------------------------------------
+def test_nbytes_is_the_sum_of_stored_arrays():
+    model = tiny_model("gemma3")
+    cache = vq.make_prompt_cache(model, k_bits=3, v_bits=2, sink=2, recent=3, n_outlier_channels=4)
+    greedy(model, cache, batch_prompt(2), n=6)
+    for c in cache:
+        stores = (c.codes, c.sink_store, c.tail)
+        held = sum(b.nbytes for s in stores for b in s.buffers.values())
+        held += sum(a.nbytes for a in c._fitted_arrays().values())
+        assert c.nbytes == held
+        saved = sum(v.nbytes for v in c.state.values() if isinstance(v, mx.array))
+        assert c.live_nbytes == saved
+        if type(c) is vq.cache.TurboQuantPackedCache:  # (the 8-token windows are all exact here)
+            plain = 2 * c.size() * 2 * 2 * 16 * 4  # K+V, B=2, H=2, d=16, float32
+            assert saved < plain
+
+
+# -- batch_generate ---------------------------------------------------------------------------------
+def test_batch_generate_with_our_caches_raises_one_clear_error():
+    model = tiny_model("llama")
+    tok = TokenizerWrapper(FakeTokenizer())
+    caches = [vq.make_prompt_cache(model, k_bits=4) for _ in range(2)]
+    with pytest.raises(ValueError, match="batch_generate"):
+        batch_generate(model, tok, [PROMPT[:5], PROMPT[:7]], prompt_caches=caches, max_tokens=2)

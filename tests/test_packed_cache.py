@@ -1,0 +1,271 @@
+"""TurboQuantPackedCache / TurboQuantRotatingPackedCache on their own (no model)."""
+from __future__ import annotations
+
+import copy
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mlx_lm.models.cache import RotatingKVCache
+
+from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache, TurboQuantRotatingPackedCache
+from veloxquant_mlx.config import KVCacheConfig
+
+D = 16
+
+
+def cfg(**kw):
+    kw.setdefault("bit_width_inlier", 4)
+    return KVCacheConfig(**kw)
+
+
+def kv(B=1, H=2, T=8, d=D, seed=0, offset=0.0, dtype=mx.float32):
+    rng = np.random.default_rng(seed)
+    k = rng.standard_normal((B, H, T, d)).astype(np.float32) + offset
+    v = rng.standard_normal((B, H, T, d)).astype(np.float32)
+    return mx.array(k).astype(dtype), mx.array(v).astype(dtype)
+
+
+def rel_err(a, b):
+    a, b = a.astype(mx.float32), b.astype(mx.float32)
+    return (mx.linalg.norm(a - b) / mx.linalg.norm(b)).item()
+
+
+# -- basics -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_fetch_shapes_dtype_and_growth(dtype):
+    cache = TurboQuantPackedCache(cfg())
+    assert cache.empty() and not hasattr(cache, "bits")
+    for i, T in enumerate([5, 1, 300]):
+        k, v = kv(T=T, seed=i, dtype=dtype)
+        keys, values = cache.update_and_fetch(k, v)
+    assert keys.shape == (1, 2, 306, D) and values.shape == (1, 2, 306, D)
+    assert keys.dtype == dtype and values.dtype == dtype
+    assert cache.offset == cache.size() == 306 and not cache.empty()
+    assert cache.codes.capacity == 512  # grown in whole steps of 256
+
+
+def test_error_falls_with_bits():
+    k, v = kv(B=2, T=64, seed=1)
+    errs = []
+    for b in (2, 4, 8):
+        keys, values = TurboQuantPackedCache(cfg(bit_width_inlier=b)).update_and_fetch(k, v)
+        errs.append((rel_err(keys, k), rel_err(values, v)))
+    assert errs[0][0] > errs[1][0] > errs[2][0] and errs[0][1] > errs[1][1] > errs[2][1]
+    assert errs[2][0] < 0.05
+
+
+def test_key_and_value_bits_are_separate():
+    k, v = kv(T=64, seed=2)
+    keys, values = TurboQuantPackedCache(cfg(bit_width_inlier=8, v_bits=2)).update_and_fetch(k, v)
+    assert rel_err(keys, k) < rel_err(values, v) / 4
+
+
+def test_centering_helps_keys_with_a_common_offset():
+    k, v = kv(T=128, seed=3, offset=4.0)  # every key shares a large mean, as real keys do
+    plain, _ = TurboQuantPackedCache(cfg(bit_width_inlier=3), center_keys=False).update_and_fetch(k, v)
+    cache = TurboQuantPackedCache(cfg(bit_width_inlier=3))
+    centered, _ = cache.update_and_fetch(k, v)
+    assert rel_err(centered, k) < rel_err(plain, k)
+    assert cache.k_codec.mean.shape == (2, D)
+    values_only = TurboQuantPackedCache(cfg(), center_keys=False)  # values still get their mean
+    values_only.update_and_fetch(k, v)
+    assert values_only.k_codec.mean is None and values_only.v_codec.mean.shape == (2, D)
+
+
+def test_outlier_channels_are_the_high_energy_ones():
+    k, v = kv(T=64, seed=4)
+    big = mx.array([1.0] * D).at[mx.array([3, 11])].add(9.0)  # channels 3 and 11 are outliers
+    cache = TurboQuantPackedCache(cfg(n_outlier_channels=2, outlier_bits=8), center_keys=False)
+    keys, _ = cache.update_and_fetch(k * big, v)
+    assert cache.k_codec.outliers.tolist() == [[3, 11], [3, 11]]
+    no_outliers, _ = TurboQuantPackedCache(cfg(), center_keys=False).update_and_fetch(k * big, v)
+    assert rel_err(keys, k * big) < rel_err(no_outliers, k * big)
+
+
+def test_sink_and_recent_tokens_are_exact():
+    cache = TurboQuantPackedCache(cfg(bit_width_inlier=2), sink=3, recent=4)
+    ks, vs = [], []
+    for i, T in enumerate([2, 5, 1, 1, 7]):
+        k, v = kv(T=T, seed=10 + i)
+        ks.append(k)
+        vs.append(v)
+        keys, values = cache.update_and_fetch(k, v)
+    k_all, v_all = mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2)
+    n = k_all.shape[2]
+    exact = list(range(3)) + list(range(n - 4, n))
+    coded = [i for i in range(n) if i not in exact]
+    assert mx.array_equal(keys[:, :, exact], k_all[:, :, exact])
+    assert mx.array_equal(values[:, :, exact], v_all[:, :, exact])
+    assert not mx.allclose(keys[:, :, coded], k_all[:, :, coded], atol=1e-3)
+    # The tail also holds trim_headroom (8) older tokens, which read as coded ones.
+    assert (cache.sink_store.length, cache.codes.length, cache.tail.length) == (3, n - 3 - 12, 12)
+
+
+@settings(max_examples=15, deadline=None)
+@given(chunks=st.lists(st.integers(1, 9), min_size=1, max_size=6), sink=st.integers(0, 4), recent=st.integers(0, 6))
+def test_chunking_does_not_change_the_stored_tokens(chunks, sink, recent):
+    # Once the codec is fitted (by the first chunk, longer than sink + recent), how tokens arrive (one
+    # call or many) does not change what is stored.
+    first = kv(T=16, seed=0)
+    rest = kv(T=sum(chunks), seed=1)
+    a = TurboQuantPackedCache(cfg(), sink=sink, recent=recent)
+    b = copy.deepcopy(a)
+    for c in (a, b):
+        c.update_and_fetch(*first)
+    whole = a.update_and_fetch(*rest)
+    start = 0
+    for T in chunks:
+        got = b.update_and_fetch(rest[0][:, :, start : start + T], rest[1][:, :, start : start + T])
+        start += T
+    assert mx.allclose(whole[0], got[0], atol=1e-6) and mx.allclose(whole[1], got[1], atol=1e-6)
+
+
+def test_zero_keys_give_no_nan():
+    cache = TurboQuantPackedCache(cfg(n_outlier_channels=2))
+    z = mx.zeros((1, 2, 4, D))
+    keys, values = cache.update_and_fetch(z, z)
+    keys2, _ = cache.update_and_fetch(*kv(T=3))
+    for x in (keys, values, keys2):
+        assert not mx.isnan(x).any().item() and not mx.isinf(x).any().item()
+    assert mx.array_equal(keys, z)
+
+
+# -- bad input ------------------------------------------------------------------------------------
+def test_bad_input_raises_value_errors_naming_the_problem():
+    cache = TurboQuantPackedCache(cfg(head_dim=D))
+    k, v = kv()
+    with pytest.raises(ValueError, match="head_dim"):
+        cache.update_and_fetch(k[..., :8], v[..., :8])
+    with pytest.raises(ValueError, match="keys and values"):
+        cache.update_and_fetch(k, v[:, :, :3])
+    with pytest.raises(ValueError, match="float"):
+        cache.update_and_fetch(k.astype(mx.int32), v)
+    with pytest.raises(ValueError, match=r"\(B, H, T, d\)"):
+        cache.update_and_fetch(k[0], v[0])
+    with pytest.raises(TypeError, match="mx.array"):
+        cache.update_and_fetch(np.zeros((1, 2, 3, D)), v)
+    assert cache.empty()  # nothing was stored by the failed calls
+    cache.update_and_fetch(k, v)
+    with pytest.raises(ValueError, match="head_dim"):
+        cache.update_and_fetch(k, v[..., :8])
+    with pytest.raises(ValueError, match=r"\(B, H\)"):
+        cache.update_and_fetch(*kv(B=2))
+
+
+def test_bad_settings_raise():
+    with pytest.raises(ValueError, match="bit_width_inlier"):
+        KVCacheConfig(bit_width_inlier=9)
+    with pytest.raises(ValueError, match="v_bits"):
+        KVCacheConfig(v_bits=0)
+    with pytest.raises(TypeError, match="KVCacheConfig"):
+        TurboQuantPackedCache({"bit_width_inlier": 4})
+    with pytest.raises(ValueError, match="recent"):
+        TurboQuantPackedCache(cfg(), recent=-1)
+    with pytest.raises(ValueError, match="n_outlier_channels"):
+        TurboQuantPackedCache(cfg(n_outlier_channels=1)).update_and_fetch(*kv())
+    with pytest.raises(ValueError, match="sink"):
+        TurboQuantRotatingPackedCache(cfg(), max_size=8, keep=2, sink=3)
+    with pytest.raises(ValueError, match="keep"):
+        TurboQuantRotatingPackedCache(cfg(), max_size=4, keep=5)
+
+
+# -- trim, copy, state ------------------------------------------------------------------------------
+def test_trim_walks_back_through_tail_codes_and_sink():
+    cache = TurboQuantPackedCache(cfg(), sink=2, recent=3, trim_headroom=0)
+    cache.update_and_fetch(*kv(T=10))
+    assert cache.trim(4) == 4 and cache.offset == 6
+    assert (cache.sink_store.length, cache.codes.length, cache.tail.length) == (2, 4, 0)
+    assert cache.trim(100) == 6 and cache.offset == 0 and cache.empty()
+    keys, _ = cache.update_and_fetch(*kv(T=3))
+    assert keys.shape[2] == 3 and cache.sink_store.length == 2
+
+
+@pytest.mark.parametrize("n", [1, 3, 5])
+def test_trim_within_headroom_restores_the_uninterrupted_state(n):
+    # What speculative decoding does: append draft tokens, trim the rejected ones, append again.
+    first, extra = kv(T=12), kv(T=n, seed=7)
+    a = TurboQuantPackedCache(cfg(bit_width_inlier=2), sink=1, recent=3, trim_headroom=5)
+    b = copy.deepcopy(a)
+    a.update_and_fetch(*first)
+    b.update_and_fetch(*first)
+    b.update_and_fetch(*extra)
+    assert b.trim(n) == n
+    nxt = kv(T=2, seed=8)
+    ka, va = a.update_and_fetch(*nxt)
+    kb, vb = b.update_and_fetch(*nxt)
+    assert mx.allclose(ka, kb, atol=1e-6) and mx.allclose(va, vb, atol=1e-6)
+    assert mx.array_equal(ka[:, :, -3:], kb[:, :, -3:])  # the recent window is exact in both
+
+
+def test_state_round_trip_and_deepcopy():
+    cache = TurboQuantPackedCache(cfg(n_outlier_channels=4, v_bits=3), sink=1, recent=2)
+    k, v = kv(B=2, T=9)
+    ref = cache.update_and_fetch(k, v)
+    restored = TurboQuantPackedCache.from_state(cache.state)
+    twin = copy.deepcopy(cache)
+    nxt = kv(B=2, T=1, seed=5)
+    a, b, c = cache.update_and_fetch(*nxt), restored.update_and_fetch(*nxt), twin.update_and_fetch(*nxt)
+    for x in (b, c):
+        assert mx.array_equal(a[0], x[0]) and mx.array_equal(a[1], x[1])
+    cache.update_and_fetch(*nxt)
+    assert twin.offset == restored.offset == 10 and cache.offset == 11
+    assert a[0].shape[2] == 10 and mx.array_equal(a[0][:, :, :9][:, :, :1], ref[0][:, :, :1])
+    with pytest.raises(ValueError, match="meta"):
+        TurboQuantPackedCache.from_state((k, v))
+
+
+def test_state_of_an_empty_cache_round_trips():
+    cache = TurboQuantPackedCache(cfg(), recent=2)
+    restored = TurboQuantPackedCache.from_state(cache.state)
+    assert restored.empty() and restored.recent == 2
+    assert restored.update_and_fetch(*kv(T=3))[0].shape[2] == 3
+
+
+# -- the rotating cache behaves like mlx_lm's RotatingKVCache ------------------------------------------
+def attend(cache, q, k, v):
+    """One attention call through a cache, with the mask the cache itself makes (as mlx_lm models do)."""
+    mask = cache.make_mask(q.shape[2], window_size=None)
+    keys, values = cache.update_and_fetch(k, v)
+    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=D**-0.5, mask=mask)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    chunks=st.lists(st.sampled_from([1, 1, 1, 2, 3, 7]), min_size=1, max_size=12),
+    max_size=st.integers(3, 9),
+    keep=st.integers(0, 2),
+)
+def test_rotating_matches_mlx_lm_with_exact_windows(chunks, max_size, keep):
+    # recent >= max_size keeps every token exact, so the outputs must match RotatingKVCache closely.
+    ours = TurboQuantRotatingPackedCache(cfg(), max_size=max_size, keep=keep, recent=max_size + 8)
+    ref = RotatingKVCache(max_size=max_size, keep=keep)
+    for i, T in enumerate(chunks):
+        k, v = kv(T=T, seed=i)
+        q = kv(T=T, seed=100 + i)[0]
+        out_ref = attend(ref, q, k, v)
+        out = attend(ours, q, k, v)
+        assert mx.allclose(out, out_ref, atol=1e-5), (i, T)
+        assert ours.offset == ref.offset and ours.size() == ref.size()
+        assert ours.is_trimmable() == ref.is_trimmable()
+
+
+def test_rotating_keeps_its_window_coded():
+    cache = TurboQuantRotatingPackedCache(
+        cfg(bit_width_inlier=8), max_size=6, keep=2, sink=1, recent=2, trim_headroom=0
+    )
+    ks = []
+    for i in range(12):
+        k, v = kv(T=1, seed=i)
+        ks.append(k)
+        keys, _ = cache.update_and_fetch(k, v)
+    expect = mx.concatenate(ks[:2] + ks[-4:], axis=2)  # keep 2 + newest 4
+    assert keys.shape[2] == 6 and cache.size() == 6 and not cache.is_trimmable()
+    assert mx.array_equal(keys[:, :, :1], expect[:, :, :1])  # sink: exact
+    assert mx.array_equal(keys[:, :, -2:], expect[:, :, -2:])  # recent: exact
+    assert rel_err(keys, expect) < 0.02  # the rest: 8-bit codes
+    assert cache.codes.length == 3
+    restored = TurboQuantRotatingPackedCache.from_state(cache.state)
+    assert (restored.max_size, restored.keep, restored.offset) == (6, 2, 12)

@@ -1,0 +1,132 @@
+"""`TokenStore`: named arrays that share a token axis, grown in fixed steps.
+
+Every cache here keeps its per-token data (packed code words, norms, exact window tokens) as arrays of
+shape ``(B, H, capacity, ...)`` with the token axis at position 2. This class owns the bookkeeping that
+`mlx_lm.models.cache.KVCache` does for its two tensors (grow by ``step``, write a slice, view the live
+prefix, drop from the end), for any number of arrays at once, plus deletion of a token range (used by
+the sliding-window cache). It knows nothing about quantization.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import mlx.core as mx
+
+TOKEN_AXIS = 2
+
+
+def _round_up(n: int, step: int) -> int:
+    return ((n + step - 1) // step) * step
+
+
+class TokenStore:
+    """Step-grown buffers ``name -> (B, H, capacity, ...)``; ``length`` tokens are live."""
+
+    def __init__(self, step: int = 256):
+        self.step = int(step)
+        self.buffers: Dict[str, mx.array] = {}
+        self.length = 0
+
+    # -- writing -----------------------------------------------------------------------------
+    def append(self, chunk: Dict[str, mx.array]) -> None:
+        """Append ``T`` tokens: every array in ``chunk`` is ``(B, H, T, ...)`` with the same ``T``."""
+        if not chunk:
+            return
+        n_new = next(iter(chunk.values())).shape[TOKEN_AXIS]
+        if n_new == 0:
+            return
+        if set(chunk) != set(self.buffers) and self.buffers:
+            raise ValueError(
+                f"chunk holds arrays {sorted(chunk)}, the store holds {sorted(self.buffers)}"
+            )
+        prev, end = self.length, self.length + n_new
+        if not self.buffers or end > self.capacity:
+            # Grow like mlx_lm's KVCache: keep the live prefix, add whole steps of zeros.
+            new_cap = _round_up(end, self.step)
+            grown = {}
+            for name, arr in chunk.items():
+                shape = list(arr.shape)
+                old = self.buffers.get(name)
+                if old is not None and prev > 0:
+                    shape[TOKEN_AXIS] = new_cap - prev
+                    grown[name] = mx.concatenate(
+                        [old[:, :, :prev], mx.zeros(shape, arr.dtype)], axis=TOKEN_AXIS
+                    )
+                else:
+                    shape[TOKEN_AXIS] = new_cap
+                    grown[name] = mx.zeros(shape, arr.dtype)
+            self.buffers = grown
+        for name, arr in chunk.items():
+            self.buffers[name][:, :, prev:end] = arr
+        self.length = end
+
+    def trim(self, n: int) -> int:
+        """Forget the last ``n`` tokens (storage is kept for reuse); returns how many were dropped."""
+        n = max(0, min(int(n), self.length))
+        self.length -= n
+        return n
+
+    def delete(self, start: int, stop: int) -> None:
+        """Remove live tokens ``[start, stop)``; later tokens move down (one copy of the live part)."""
+        start, stop = max(0, start), min(stop, self.length)
+        if stop <= start:
+            return
+        self.buffers = {
+            name: mx.concatenate(
+                [buf[:, :, :start], buf[:, :, stop : self.length]], axis=TOKEN_AXIS
+            )
+            for name, buf in self.buffers.items()
+        }
+        self.length -= stop - start
+
+    # -- reading -----------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        if not self.buffers:
+            return 0
+        return next(iter(self.buffers.values())).shape[TOKEN_AXIS]
+
+    def view(self, start: int = 0, stop: Optional[int] = None) -> Dict[str, mx.array]:
+        """The live tokens ``[start, stop)`` of every array (slices, no copy)."""
+        stop = self.length if stop is None else min(stop, self.length)
+        if start == 0 and stop == self.capacity:
+            return dict(self.buffers)
+        return {name: buf[:, :, start:stop] for name, buf in self.buffers.items()}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the buffers, spare step capacity included (what occupies memory)."""
+        return sum(buf.nbytes for buf in self.buffers.values())
+
+    @property
+    def live_nbytes(self) -> int:
+        """Bytes of the live tokens only (what a saved file or a tight allocation would hold)."""
+        cap = self.capacity
+        if cap == 0:
+            return 0
+        return sum(buf.nbytes // cap * self.length for buf in self.buffers.values())
+
+    # -- copying and (de)serialising ------------------------------------------------------------
+    def copy(self) -> "TokenStore":
+        """An independent copy: later writes to either store do not show in the other."""
+        new = TokenStore(self.step)
+        # mx.array(x) is a new array object, so slice assignment into one never reaches the other.
+        new.buffers = {name: mx.array(buf) for name, buf in self.buffers.items()}
+        new.length = self.length
+        return new
+
+    def live_arrays(self) -> Dict[str, mx.array]:
+        """What goes into a cache's ``state``: the live part of every buffer."""
+        return self.view()
+
+    @classmethod
+    def from_arrays(cls, arrays: Dict[str, mx.array], step: int = 256) -> "TokenStore":
+        """Rebuild from ``live_arrays()`` output (all arrays share the token count)."""
+        store = cls(step)
+        if arrays:
+            lengths = {a.shape[TOKEN_AXIS] for a in arrays.values()}
+            if len(lengths) != 1:
+                raise ValueError(f"stored arrays disagree on the token count: {sorted(lengths)}")
+            store.buffers = dict(arrays)
+            store.length = lengths.pop()
+        return store
