@@ -1,0 +1,50 @@
+"""Attention computed directly on packed KV codes, and the reversible hook that routes mlx_lm to it.
+
+Pure math lives in :mod:`~veloxquant_mlx.attention.packed_sdpa`; the mlx_lm plumbing in
+:mod:`~veloxquant_mlx.attention.hook`. Nothing is patched at import time.
+
+The packed-attention protocol (what a cache implements to be routed by the hook)
+--------------------------------------------------------------------------------
+``cache.attend_packed(queries, scale, mask, sinks=None) -> mx.array``
+
+- called by mlx_lm's ``scaled_dot_product_attention`` (replaced inside `use_packed_attention`) right
+  after the layer's ``cache.update_and_fetch(keys, values)``, i.e. the cache already holds this step's
+  tokens;
+- ``queries``: ``(B, Hq, L, d)``, the layer's (RoPE'd) queries, ``Hq`` a multiple of the cache's KV heads;
+- ``scale``: float; ``mask``: None, ``"causal"``, or a bool / additive array broadcastable to
+  ``(B, Hq, L, N)`` over the N cached tokens in temporal order (what the cache's ``make_mask`` built);
+- ``sinks``: optional ``(Hq,)`` attention-sink logits; the hook passes it only when it is not None;
+- returns ``(B, Hq, L, dv)`` in ``queries.dtype`` = softmax(scale q k^T + mask) v over the whole history.
+
+While `is_active()` is True the cache's ``update_and_fetch`` may return `placeholder_history` tensors
+of the right shape instead of dequantizing its history (the hook never reads them for protocol caches),
+provided the model's attention really goes through mlx_lm's function: `routes_model(model)` checks that
+(a few mlx_lm model files call ``mx.fast.scaled_dot_product_attention`` directly).
+Caches without ``attend_packed`` go through the original mlx_lm function unchanged.
+
+A packed cache can implement the method in one line with
+``packed_attention_for_cache(self, queries, scale, mask, sinks)``, which reads ``sink_store``, ``codes``,
+``tail`` (TokenStores) and ``k_codec`` / ``v_codec`` (AffineRotatedCodec or ChannelCodec).
+"""
+from .hook import (implements_protocol, install, is_active, packed_scaled_dot_product_attention,
+                   placeholder_history, routes_model, uninstall, use_packed_attention)
+from .packed_sdpa import (CodedPart, ExactPart, cache_parts, coded_attention, merge_partials,
+                          packed_attention, packed_attention_for_cache)
+
+__all__ = [
+    "CodedPart",
+    "ExactPart",
+    "cache_parts",
+    "coded_attention",
+    "implements_protocol",
+    "install",
+    "is_active",
+    "merge_partials",
+    "packed_attention",
+    "packed_attention_for_cache",
+    "packed_scaled_dot_product_attention",
+    "placeholder_history",
+    "routes_model",
+    "uninstall",
+    "use_packed_attention",
+]

@@ -1,0 +1,238 @@
+"""The reversible mlx_lm hook (veloxquant_mlx.attention.hook) on a tiny random llama model."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import base, llama
+from mlx_lm.models.cache import KVCache
+
+import veloxquant_mlx.attention as attention
+from veloxquant_mlx.attention import hook
+from veloxquant_mlx.attention.packed_sdpa import packed_attention_for_cache
+
+ORIGINAL = base.scaled_dot_product_attention
+ARGS = llama.ModelArgs(
+    model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=64, num_attention_heads=4,
+    num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=97, tie_word_embeddings=True,
+)
+
+
+@pytest.fixture(scope="module")
+def model():
+    mx.random.seed(0)
+    m = llama.Model(ARGS)
+    mx.eval(m.parameters())
+    return m
+
+
+@pytest.fixture(autouse=True)
+def hook_is_off_around_each_test():
+    assert not hook.is_active() and base.scaled_dot_product_attention is ORIGINAL
+    yield
+    assert not hook.is_active(), "a test left the hook installed"
+    assert base.scaled_dot_product_attention is ORIGINAL and llama.scaled_dot_product_attention is ORIGINAL
+
+
+class CountingCache(KVCache):
+    """A plain KVCache that implements the protocol by calling fast SDPA on its own buffers."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def attend_packed(self, queries, scale, mask, sinks=None):
+        self.calls += 1
+        k, v = self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+        return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
+
+
+def run(model, caches, prompt=(1, 5, 9, 2, 7, 3, 11, 4), steps=3):
+    """Prefill + greedy decode; returns the list of last-position logits (float32 numpy)."""
+    out = []
+    logits = model(mx.array([list(prompt)]), cache=caches)
+    out.append(np.array(logits[:, -1].astype(mx.float32)))
+    for _ in range(steps):
+        tok = mx.argmax(logits[:, -1], axis=-1)[:, None]
+        logits = model(tok, cache=caches)
+        out.append(np.array(logits[:, -1].astype(mx.float32)))
+    return out
+
+
+def test_nothing_patched_at_import():
+    importlib.reload(attention)
+    assert base.scaled_dot_product_attention is ORIGINAL and not hook.is_active()
+
+
+def test_protocol_cache_routed_inside_original_back_outside(model):
+    ref = run(model, [KVCache() for _ in range(2)])
+    caches = [CountingCache() for _ in range(2)]
+    with attention.use_packed_attention():
+        assert hook.is_active()
+        assert base.scaled_dot_product_attention is hook.packed_scaled_dot_product_attention
+        assert llama.scaled_dot_product_attention is hook.packed_scaled_dot_product_attention
+        got = run(model, caches)
+    assert [c.calls for c in caches] == [4, 4]  # prefill + 3 decode steps, per layer
+    for a, b in zip(got, ref):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    # Outside: the very same function objects are back and the protocol is ignored.
+    assert base.scaled_dot_product_attention is ORIGINAL and llama.scaled_dot_product_attention is ORIGINAL
+    c = [CountingCache() for _ in range(2)]
+    run(model, c)
+    assert [x.calls for x in c] == [0, 0]
+
+
+def test_cache_without_protocol_takes_original_path(model, monkeypatch):
+    ref = run(model, [KVCache() for _ in range(2)])
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("cache", args[3] if len(args) > 3 else None))
+        return ORIGINAL(*args, **kwargs)
+
+    with attention.use_packed_attention():
+        monkeypatch.setattr(hook, "_original", spy)  # the hook calls whatever it saved as the original
+        got = run(model, [KVCache() for _ in range(2)])
+        monkeypatch.undo()
+    assert len(seen) == 8 and all(isinstance(c, KVCache) for c in seen)
+    for a, b in zip(got, ref):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_routes_model(model):
+    assert not hook.routes_model(model)
+    with attention.use_packed_attention():
+        assert hook.routes_model(model)
+        assert not hook.routes_model(object())  # a class whose module never imported the function
+    assert not hook.routes_model(model)
+
+
+def test_exception_inside_restores():
+    with pytest.raises(ZeroDivisionError):
+        with attention.use_packed_attention():
+            assert llama.scaled_dot_product_attention is hook.packed_scaled_dot_product_attention
+            1 / 0
+    assert llama.scaled_dot_product_attention is ORIGINAL and not hook.is_active()
+
+
+def test_nesting_and_explicit_pair():
+    with attention.use_packed_attention():
+        with attention.use_packed_attention():
+            assert hook.is_active()
+        # the inner exit must not restore while the outer block is still active
+        assert base.scaled_dot_product_attention is hook.packed_scaled_dot_product_attention
+        attention.install()
+        attention.uninstall()
+        assert llama.scaled_dot_product_attention is hook.packed_scaled_dot_product_attention
+    assert base.scaled_dot_product_attention is ORIGINAL
+    with pytest.raises(RuntimeError, match="install"):
+        attention.uninstall()
+
+
+def test_module_imported_while_active_is_restored():
+    # Import a fresh copy of an mlx_lm model module inside the context (the process's own copy, if any,
+    # is put back afterwards), as happens when a model is loaded while the hook is active.
+    name = "mlx_lm.models.qwen2"
+    saved = sys.modules.pop(name, None)
+    try:
+        with attention.use_packed_attention():
+            mod = importlib.import_module(name)
+            assert mod is not saved
+            assert mod.scaled_dot_product_attention is hook.packed_scaled_dot_product_attention
+        assert mod.scaled_dot_product_attention is ORIGINAL
+    finally:
+        if saved is not None:
+            sys.modules[name] = saved
+            setattr(sys.modules["mlx_lm.models"], "qwen2", saved)
+
+
+def test_foreign_patch_is_left_alone():
+    """An attribute someone else replaced while the hook was active is not clobbered on exit."""
+    def other(*a, **k):
+        return ORIGINAL(*a, **k)
+
+    try:
+        with attention.use_packed_attention():
+            llama.scaled_dot_product_attention = other
+        assert llama.scaled_dot_product_attention is other
+        assert base.scaled_dot_product_attention is ORIGINAL
+    finally:
+        llama.scaled_dot_product_attention = ORIGINAL
+
+
+def test_sinks_and_arguments_forwarded():
+    class Recorder:
+        def attend_packed(self, queries, scale, mask, sinks=None):
+            self.got = (scale, mask, sinks)
+            return queries
+
+    q = mx.zeros((1, 2, 1, 4))
+    r = Recorder()
+    sinks = mx.ones((2,))
+    with attention.use_packed_attention():
+        out = base.scaled_dot_product_attention(q, None, None, cache=r, scale=0.5, mask="causal", sinks=sinks)
+        assert out is q and r.got[0] == 0.5 and r.got[1] == "causal" and r.got[2] is sinks
+        base.scaled_dot_product_attention(q, None, None, r, 0.25, None)
+        assert r.got == (0.25, None, None)
+    assert hook.implements_protocol(r) and not hook.implements_protocol(KVCache()) and not hook.implements_protocol(None)
+
+
+def test_placeholder_history_is_cheap_and_shaped():
+    p = hook.placeholder_history((2, 3, 1000, 64), mx.float16)
+    assert p.shape == (2, 3, 1000, 64) and p.dtype == mx.float16
+    mx.eval(p)
+    assert p.nbytes >= 0 and float(mx.max(mx.abs(p))) == 0.0
+
+
+# -- end to end: a packed cache implementing the protocol ---------------------------------------
+def _protocol_cache_class(affine: bool):
+    from veloxquant_mlx.cache._affine_codec import AffineRotatedCodec
+    from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache
+
+    class ProtocolPackedCache(TurboQuantPackedCache):
+        """What the lead's wiring should look like: placeholders while active + attend_packed."""
+
+        calls = 0
+
+        def _setup(self, k_dim, v_dim):
+            super()._setup(k_dim, v_dim)
+            if affine:
+                self.k_codec = AffineRotatedCodec(k_dim, 4, seed=1)
+                self.v_codec = AffineRotatedCodec(v_dim, 4, seed=2)
+
+        def update_and_fetch(self, keys, values):
+            if not hook.is_active():
+                return super().update_and_fetch(keys, values)
+            self._append(keys, values)
+            n = self.sink_store.length + self.codes.length + self.tail.length
+            B, H = keys.shape[:2]
+            return (hook.placeholder_history((B, H, n, keys.shape[-1]), keys.dtype),
+                    hook.placeholder_history((B, H, n, values.shape[-1]), values.dtype))
+
+        def attend_packed(self, queries, scale, mask, sinks=None):
+            type(self).calls += 1
+            return packed_attention_for_cache(self, queries, scale, mask, sinks)
+
+    return ProtocolPackedCache
+
+
+@pytest.mark.parametrize("affine", [False, True])
+def test_packed_cache_end_to_end(model, affine):
+    from veloxquant_mlx.config import KVCacheConfig
+
+    cls = _protocol_cache_class(affine)
+    cfg = KVCacheConfig(bit_width_inlier=4)
+    prompt = [int(t) for t in np.random.default_rng(1).integers(0, ARGS.vocab_size, 40)]
+    ref = run(model, [cls(cfg, sink=2, recent=2) for _ in range(2)], prompt, steps=4)  # dequantize + SDPA
+    assert cls.calls == 0
+    caches = [cls(cfg, sink=2, recent=2) for _ in range(2)]
+    with attention.use_packed_attention():
+        got = run(model, caches, prompt, steps=4)
+    assert cls.calls == 2 * 5
+    assert all(c.codes.length > 0 for c in caches)  # the coded path really ran
+    assert (type(caches[0].k_codec).__name__ == "AffineRotatedCodec") == affine
+    for a, b in zip(got, ref):
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3 * float(np.abs(b).max()))
