@@ -63,6 +63,13 @@ OURS = {
                           trim_headroom=0),
     "prod-k5v3": dict(method="turboquant_prod", k_bits=5, v_bits=3),
     "rvq-k2v2": dict(method="turboquant_rvq", k_bits=2, v_bits=2),
+    # The registered configurations (veloxquant_mlx.eval.specs): first 4 tokens exact.
+    "k4v4-s4": dict(k_bits=4, v_bits=4, sink=4),
+    "k3v3-s4": dict(k_bits=3, v_bits=3, sink=4),
+    "k2v2-s4": dict(k_bits=2, v_bits=2, sink=4),
+    "k4v4-o8-s4": dict(k_bits=4, v_bits=4, n_outlier_channels=8, outlier_bits=8, sink=4),
+    "k3v3-o8-s4": dict(k_bits=3, v_bits=3, n_outlier_channels=8, outlier_bits=8, sink=4),
+    "rvq-k2v2-s4": dict(method="turboquant_rvq", k_bits=2, v_bits=2, sink=4),
     # The seed's cache: two b-bit RVQ key streams, float16 values.
     "seed-rvq-b1": dict(kind="rvq", k_bits=1),
     "seed-rvq-b2": dict(kind="rvq", k_bits=2),

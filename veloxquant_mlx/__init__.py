@@ -21,10 +21,18 @@ _EXPORTS = {
     "TurboQuantKVCache": "veloxquant_mlx.cache.turboquant_cache",
     "TurboQuantRVQKVCache": "veloxquant_mlx.cache.turboquant_rvq_cache",
     "STANDALONE_METHODS": "veloxquant_mlx.cache.base",
+    "QUANTIZERS": "veloxquant_mlx.quantizers",
+    "TurboQuantPackedCache": "veloxquant_mlx.cache.packed_cache",
+    "TurboQuantRotatingPackedCache": "veloxquant_mlx.cache.packed_cache",
     "KVCacheBuilder": "veloxquant_mlx.cache.builder",
     "make_prompt_cache": "veloxquant_mlx.cache.builder",
     "save_prompt_cache": "veloxquant_mlx.cache.prompt_cache_io",
     "load_prompt_cache": "veloxquant_mlx.cache.prompt_cache_io",
+    "mlx_lm_cache_classes": "veloxquant_mlx.cache.prompt_cache_io",
+    "use_packed_attention": "veloxquant_mlx.attention.hook",
+    "load_model": "veloxquant_mlx.models.loader",
+    "CacheSpec": "veloxquant_mlx.eval.specs",
+    "registered_specs": "veloxquant_mlx.eval.specs",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -141,6 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--kv-heads", type=_positive_int, required=True)
     pl.add_argument("--head-dim", type=_positive_int, required=True)
     pl.add_argument("--ram-gb", type=_positive_float, required=True, help="memory for the KV cache, GiB")
+    from .server import add_serve_arguments
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible server (mlx_lm.server) with compressed KV caches")
+    add_serve_arguments(sv)
     return p
 
 
@@ -366,6 +370,12 @@ def cmd_methods(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from .server import serve_main
+
+    return serve_main(args)
+
+
 def cmd_plan(args) -> int:
     from .eval.memory import plan_context
 
@@ -379,7 +389,7 @@ def cmd_plan(args) -> int:
     return 0
 
 
-COMMANDS = {"demo": cmd_demo, "generate": cmd_generate, "eval": cmd_eval, "methods": cmd_methods, "plan": cmd_plan}
+COMMANDS = {"demo": cmd_demo, "generate": cmd_generate, "eval": cmd_eval, "methods": cmd_methods, "plan": cmd_plan, "serve": cmd_serve}
 
 
 def main(argv: Optional[List[str]] = None) -> int:

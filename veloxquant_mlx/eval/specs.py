@@ -75,15 +75,47 @@ def baseline_specs() -> List[CacheSpec]:
     return specs
 
 
-# ---------------------------------------------------------------------------------------------
-# COMPRESSED SPECS HOOK (for the lead): return the TurboQuant configurations built with
-# ``veloxquant_mlx.cache.builder.KVCacheBuilder`` here, one CacheSpec per (method, bits), with
-# ``family`` = the method name ("turboquant_mse", ...) and ``bits`` = the nominal bit width.
-# Until it is wired, only the baselines are registered and everything runs with them.
-# ---------------------------------------------------------------------------------------------
+# The TurboQuant configurations every tool offers (demo, generate, eval, methods, plan, serve).
+# One entry per (method, nominal bits): (method, key bits, value bits, builder options).
+# Every configuration keeps the first 4 tokens exact ("attention sinks"): on SmolLM2 this removed
+# about a third of the KL at 4 bits (benchmarks/probe_quality.py) and fixed garbled chat answers.
+SINK_TOKENS = 4
+COMPRESSED = (
+    ("turboquant_mse", 4, 4, {}),
+    ("turboquant_mse", 3, 3, {}),
+    ("turboquant_mse", 2, 2, {}),
+    ("turboquant_prod", 4, 4, {}),
+    ("turboquant_rvq", 2, 2, {}),
+)
+
+
+def _turboquant(method: str, k_bits: int, v_bits: int, options: dict) -> CacheFactory:
+    def make(model) -> list:
+        from veloxquant_mlx.cache.builder import make_prompt_cache
+
+        return make_prompt_cache(model, method=method, k_bits=k_bits, v_bits=v_bits, sink=SINK_TOKENS, **options)
+
+    return make
+
+
 def compressed_specs(head_dim: Optional[int] = None) -> List[CacheSpec]:
-    """TurboQuant cache configurations for a model with this ``head_dim`` (none wired yet)."""
-    return []
+    """TurboQuant cache configurations (``head_dim`` is read from the model when the cache is built)."""
+    specs = []
+    for method, kb, vb, options in COMPRESSED:
+        # RVQ codes each vector twice (two b-bit streams), so its nominal bits are 2b.
+        nominal = 2 * kb if method == "turboquant_rvq" else kb
+        short = method.replace("turboquant_", "tq-")
+        specs.append(
+            CacheSpec(
+                f"{short}-k{kb}v{vb}",
+                _turboquant(method, kb, vb, options),
+                family=method,
+                bits=nominal,
+                description=f"{method}, keys {kb}-bit, values {vb}-bit, first {SINK_TOKENS} tokens exact",
+                extra={"method": method, "k_bits": kb, "v_bits": vb, "sink": SINK_TOKENS, **options},
+            )
+        )
+    return specs
 
 
 def registered_specs(head_dim: Optional[int] = None) -> List[CacheSpec]:
