@@ -51,6 +51,11 @@ NEG = float(mx.finfo(mx.float32).min)
 # quantized kernels tile large row counts, so packed matmuls are always used there.
 CPU_PACKED_ROWS = {"keys": 12, "block_keys": 32, "values": 32}
 
+# Long query chunks on the dequantize path are attended QUERY_BLOCK positions at a time, so the float32
+# scores (B, Hq, block, N) stay small: a 256-token prefill chunk at 4k context would otherwise hold
+# ~2-3 copies of a 9 x 256 x 4096 float32 score tensor (~38 MiB each) at once.
+QUERY_BLOCK = 32
+
 
 # --------------------------------------------------------------------------------------------------------
 # parts of the history
@@ -398,6 +403,8 @@ def packed_attention(
         )
     R = Hq // Hkv
     N = sum(p.length for p in parts)
+    if L > QUERY_BLOCK and not _packed_ok("values", R * L, packed_rows):
+        return _blocked_attention(queries, parts, scale, mask, sinks, window_size, packed_rows, N)
     grouped_mask = mask
     if isinstance(mask, mx.array):
         grouped_mask = _grouped_mask(mask, B, Hq, Hkv, L, N)
@@ -421,6 +428,39 @@ def packed_attention(
     else:
         out = merge_partials(partials, sink_logits)
     return out.reshape(B, Hq, L, out.shape[-1]).astype(queries.dtype)
+
+
+def _blocked_attention(queries, parts, scale, mask, sinks, window_size, packed_rows, N: int) -> mx.array:
+    """`packed_attention` for a long chunk, ``QUERY_BLOCK`` query positions at a time.
+
+    Coded parts are decoded once (float32, ``(B, Hkv, n, d)``) and shared by every block; the mask is
+    made explicit and sliced along its query axis. Same result, bounded score memory.
+    """
+    L = queries.shape[2]
+    exact = []
+    for p in parts:
+        if isinstance(p, CodedPart):
+            exact.append(ExactPart(p.k_codec.decode(p.k_arrays, mx.float32), p.v_codec.decode(p.v_arrays, mx.float32)))
+        else:
+            exact.append(p)
+    if isinstance(mask, str):  # "causal": queries are the last L of the N keys
+        q_pos = mx.arange(N - L, N)[:, None]
+        k_pos = mx.arange(N)[None, :]
+        mask = q_pos >= k_pos
+        if window_size is not None:
+            mask = mask & (q_pos < k_pos + window_size)
+    elif isinstance(mask, mx.array):
+        B, Hq = queries.shape[:2]
+        _grouped_mask(mask, B, Hq, _part_heads(parts[0])[1], L, N)  # validates the shape, clear errors
+        mask = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))
+    outs = []
+    for l0 in range(0, L, QUERY_BLOCK):
+        l1 = min(l0 + QUERY_BLOCK, L)
+        m = mask
+        if isinstance(mask, mx.array) and mask.shape[-2] == L:
+            m = mask[..., l0:l1, :]
+        outs.append(packed_attention(queries[:, :, l0:l1], exact, scale, m, sinks=sinks, packed_rows=packed_rows))
+    return mx.concatenate(outs, axis=2)
 
 
 def coded_attention(
