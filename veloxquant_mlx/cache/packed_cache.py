@@ -203,9 +203,13 @@ class TurboQuantPackedCache(_BaseCache):
             c.method, k_dim, self.k_bits, seed=c.seed, center=self.center_keys,
             n_outliers=c.n_outlier_channels, **common,
         )
+        # The QJL sketch makes inner products unbiased, which only scores need; for values (aggregated,
+        # not scored) it spends bits on a higher-variance reconstruction, so Prod values use MSE codes.
+        v_method = "turboquant_mse" if c.method == "turboquant_prod" else c.method
         self.v_codec = ChannelCodec(
-            c.method, v_dim, self.v_bits, seed=c.seed + 1000, center=self.center_values,
-            n_outliers=c.n_outlier_channels if self.value_outliers else 0, **common,
+            v_method, v_dim, self.v_bits, seed=c.seed + 1000, center=self.center_values,
+            n_outliers=c.n_outlier_channels if self.value_outliers else 0,
+            **dict(common, jl_dim=c.jl_dim if v_method == "turboquant_prod" else None),
         )
         self.dims = (k_dim, v_dim)
 
