@@ -10,10 +10,10 @@ minimum is the least disturbed run when other processes share the cores):
   (float32 scales, as mlx-lm's QuantizedKVCache stores them for float32 activations);
 - ``ours_aff{4,3,2}``: `coded_attention` on `AffineRotatedCodec` codes (centred, Haar-rotated, group 64,
   float16 scales) for keys and values; ``ours_aff4_f32s``: float32 scales;
-- ``ours_blk{4,2}``: keys as `AffineBlockKeyCodec` (per channel over 64-token blocks: scored with the
-  transpose=False quantized matmul), values `AffineRotatedCodec`, same bits; ``ours_blk4v2``: 4-bit keys,
-  2-bit values; ``ours_blk4_win``: ``ours_blk4`` plus an exact window (4 sink + 128 recent tokens,
-  log-sum-exp merge);
+- ``ours_blk{4,2}``: keys as `AffineBlockKeyCodec` (rotated ``K^T`` quantized per channel over 64-token
+  blocks: one transpose=False quantized matmul scores the whole history), values `AffineRotatedCodec`, same
+  bits; ``ours_blk4v2``: 4-bit keys, 2-bit values; ``ours_blk4_win``: ``ours_blk4`` plus an exact window
+  (4 sink + 128 recent tokens) in the same softmax;
 - ``ours_lloyd4``: the Lloyd-Max `ChannelCodec` layout (turboquant_mse, 4 bits): decodes rotated codes
   (seconds per call at 32k, so only up to ``--lloyd-max-n``, default 16k).
 

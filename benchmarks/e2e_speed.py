@@ -1,18 +1,30 @@
 """End-to-end speed and peak memory of SmolLM2-135M with each KV cache, attention on codes included.
 
-Configs (all in one process, interleaved per repeat so machine load hits every config alike):
+Configs (all in one process; decode repeats interleaved so machine load hits every config alike):
 
 - ``kv``: mlx_lm ``KVCache`` (float, the reference for the ratios);
 - ``mlx-q4``: mlx_lm ``QuantizedKVCache(group_size=64, bits=4)``;
-- ``tq-affine4-hook``: ours, ``codec="affine"`` 4-bit K/V, inside ``use_packed_attention()``;
-- ``tq-lm4-hook``: ours, Lloyd-Max 4-bit K/V, inside ``use_packed_attention()``;
-- ``tq-lm4``: ours, Lloyd-Max 4-bit K/V, no hook (history decoded on every fetch).
+- ``tq-block4-hook``: ours, ``codec="affine_block"`` 4-bit K/V (keys as K^T codes in 64-token blocks,
+  values per token), inside ``use_packed_attention()`` — the fast configuration;
+- ``tq-affine4-hook``: ours, ``codec="affine"`` 4-bit K/V (keys per token), inside the hook;
+- ``tq-lm4-hook``: ours, Lloyd-Max 4-bit K/V, inside the hook;
+- ``tq-lm4``: ours, Lloyd-Max 4-bit K/V, no hook (history decoded on every fetch; not in the default list).
 
-One pass per config and repeat (the 2-core machine has no time for separate speed and memory passes):
-clear MLX's buffer cache, reset the peak, make a fresh cache, prefill a ``--prompt``-token prompt in
-chunks of ``--chunk`` (timed: prefill tok/s), decode ``--decode`` greedy tokens at that context (timed:
-decode tok/s), then read ``mx.get_peak_memory()`` (weights included). Speeds are medians over
-``--repeats``, the peak the largest seen. A plain loop (``model(tokens, cache=...)`` + ``mx.eval``).
+Per config: clear MLX's buffer cache, reset the peak, make a fresh cache, prefill a ``--prompt``-token
+prompt in chunks of ``--chunk`` (timed once: prefill tok/s), decode ``--decode`` greedy tokens (timed),
+read ``mx.get_peak_memory()`` (weights included; minus the active memory held, when the config
+started, by the caches of the configs measured before it: they stay alive for pass 2). Decode speed is
+timed two ways:
+
+- ``step``: one greedy step (``model(token, cache)`` + ``mx.eval``), the configs taking turns step by
+  step in a shuffled order, ``--decode`` steps per round, ``--repeats`` rounds (each round starts again
+  from the prompt): machine load drifts over seconds on the shared CPU, and this spreads it over every
+  config alike. tok/s = 1 / median step time.
+- ``mlx_lm``: ``mlx_lm.generate.generate_step`` for ``--decode`` tokens (what ``mlx_lm.generate`` /
+  ``stream_generate`` run: the next step's graph is built while the current one computes), one pass per
+  config and repeat, round-robin; tok/s = median over the passes.
+
+Speeds are medians over the repeats; ratios are against ``kv`` in the same loop.
 
     python benchmarks/e2e_speed.py --out results/e2e_speed.json
 """
@@ -23,10 +35,13 @@ import contextlib
 import gc
 import json
 import os
+import random
 import statistics
 import time
 
-CONFIGS = ("kv", "mlx-q4", "tq-affine4-hook", "tq-lm4-hook", "tq-lm4")
+CONFIGS = ("kv", "mlx-q4", "tq-block4-hook", "tq-affine4-hook", "tq-lm4-hook", "tq-lm4")
+DEFAULT_CONFIGS = CONFIGS[:-1]
+LOOPS = ("step", "mlx_lm")
 
 
 def make_cache(name, model):
@@ -38,9 +53,8 @@ def make_cache(name, model):
         return [KVCache() for _ in model.layers]
     if name == "mlx-q4":
         return [QuantizedKVCache(group_size=64, bits=4) for _ in model.layers]
-    if name == "tq-affine4-hook":
-        return vq.make_prompt_cache(model, k_bits=4, v_bits=4, codec="affine")
-    return vq.make_prompt_cache(model, k_bits=4, v_bits=4)
+    codec = {"tq-block4-hook": "affine_block", "tq-affine4-hook": "affine"}.get(name, "lloyd_max")
+    return vq.make_prompt_cache(model, k_bits=4, v_bits=4, codec=codec)
 
 
 def context_for(name):
@@ -59,38 +73,52 @@ def prefill(model, cache, prompt, chunk):
     return logits
 
 
-def decode(model, cache, logits, n):
+def decode_step(model, cache, token):
+    """One greedy step: ``token`` (1,) -> next token (1,), evaluated."""
     import mlx.core as mx
 
+    nxt = mx.argmax(model(token[:, None], cache=cache)[:, -1], axis=-1)
+    mx.eval(nxt)
+    return nxt
+
+
+def decode_mlx_lm(model, cache, first_token, n):
+    """``n`` tokens through mlx_lm's own decode loop; returns tok/s and trims the cache back."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    offset = cache[0].offset
+    t0 = time.perf_counter()
+    for _ in generate_step(first_token, model, prompt_cache=cache, max_tokens=n):
+        pass
+    mx.eval([c.state for c in cache])
+    dt = time.perf_counter() - t0
+    grown = cache[0].offset - offset
+    for c in cache:
+        c.trim(grown)
+    return n / dt
+
+
+def interleaved_steps(model, caches, first, n, rng):
+    """One round: ``n`` decode steps per config, configs taking turns; per-step seconds, caches trimmed back."""
+    times = {c: [] for c in caches}
+    tokens = dict(first)
     for _ in range(n):
-        tok = mx.argmax(logits, axis=-1)
-        logits = model(tok[:, None], cache=cache)[:, -1]
-        mx.eval(logits)
-    return logits
-
-
-def run_once(name, model, prompt, chunk, n_decode):
-    """One fresh cache: (prefill tok/s, decode tok/s, peak bytes, stored cache bytes)."""
-    import mlx.core as mx
-
-    gc.collect()
-    mx.clear_cache()
-    mx.reset_peak_memory()
-    cache = make_cache(name, model)
-    with context_for(name):
-        t0 = time.perf_counter()
-        logits = prefill(model, cache, prompt, chunk)
-        t1 = time.perf_counter()
-        decode(model, cache, logits, n_decode)
-        t2 = time.perf_counter()
-    peak = mx.get_peak_memory()
-    stored = sum(int(getattr(c, "live_nbytes", c.nbytes)) for c in cache)
-    del cache
-    return prompt.shape[1] / (t1 - t0), n_decode / (t2 - t1), int(peak), stored
+        order = list(caches)
+        rng.shuffle(order)
+        for c in order:
+            with context_for(c):
+                t0 = time.perf_counter()
+                tokens[c] = decode_step(model, caches[c], tokens[c])
+                times[c].append(time.perf_counter() - t0)
+    for cache in caches.values():
+        for layer in cache:
+            layer.trim(n)
+    return times
 
 
 def main(argv=None):
-    from veloxquant_mlx.blas import ensure_openblas
+    from veloxquant_mlx.blas import ensure_openblas, loaded_blas as blas_name
 
     ensure_openblas()  # before mlx is imported: re-executes with OpenBLAS preloaded
 
@@ -103,20 +131,24 @@ def main(argv=None):
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--prompt", type=int, default=4096, help="prompt tokens (context for decode)")
     ap.add_argument("--chunk", type=int, default=256, help="prefill chunk size")
-    ap.add_argument("--decode", type=int, default=100, help="decode tokens per run (timed, and in the peak)")
-    ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {CONFIGS}")
+    ap.add_argument("--decode", type=int, default=48, help="decode tokens per pass / steps per round")
+    ap.add_argument("--repeats", type=int, default=3, help="mlx_lm passes and interleaved rounds per config")
+    ap.add_argument("--seed", type=int, default=0, help="turn order of the interleaved steps")
+    ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"comma list of {CONFIGS}")
+    ap.add_argument("--loops", default=",".join(LOOPS), help=f"comma list of {LOOPS}")
     ap.add_argument("--out", default="results/e2e_speed.json")
     args = ap.parse_args(argv)
     configs = [c for c in args.configs.split(",") if c]
-    bad = sorted(set(configs) - set(CONFIGS))
+    loops = [c for c in args.loops.split(",") if c]
+    bad = sorted(set(configs) - set(CONFIGS)) + sorted(set(loops) - set(LOOPS))
     if bad:
-        raise ValueError(f"--configs must name entries of {CONFIGS}, got {bad}")
+        raise ValueError(f"--configs must name entries of {CONFIGS} and --loops of {LOOPS}, got {bad}")
     if "kv" not in configs:
         raise ValueError("--configs must include 'kv' (the ratios are relative to it)")
     for name in ("prompt", "chunk", "decode", "repeats"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    print(f"BLAS: {blas_name()}", flush=True)
 
     model, tok = load_model(args.model)
     ids = corpus_tokens(tok)
@@ -124,37 +156,76 @@ def main(argv=None):
         ids = ids + ids
     prompt = mx.array([ids[: args.prompt]])
 
-    speed = {c: {"prefill": [], "decode": []} for c in configs}
-    memory = {c: (0, 0) for c in configs}
-    run_once("kv", model, prompt[:, : args.chunk], args.chunk, 2)  # warm-up (kernels, allocator)
-    for r in range(args.repeats):
-        for c in configs:
-            p, d, peak, stored = run_once(c, model, prompt, args.chunk, args.decode)
-            speed[c]["prefill"].append(p)
-            speed[c]["decode"].append(d)
-            memory[c] = (max(memory[c][0], peak), stored)
-            print(f"repeat {r}: {c:16s} prefill {p:8.1f} tok/s  decode {d:7.2f} tok/s  peak {peak / 2**20:8.1f} MiB",
+    warm = make_cache("kv", model)  # warm-up (kernels, allocator)
+    prefill(model, warm, prompt[:, : args.chunk], args.chunk)
+    del warm
+    gc.collect()
+    mx.clear_cache()
+    held_at_start = mx.get_active_memory()  # weights (and nothing else alive)
+
+    caches, first, prefill_tps, peak, stored = {}, {}, {}, {}, {}
+    decode_tps = {(c, lp): [] for c in configs for lp in loops}
+    for c in configs:  # pass 1: prefill, one mlx_lm decode pass, peak memory (this config's cache the only new one)
+        gc.collect()
+        mx.clear_cache()
+        others = mx.get_active_memory() - held_at_start  # earlier configs' caches, kept for pass 2
+        mx.reset_peak_memory()
+        cache = make_cache(c, model)
+        with context_for(c):
+            t0 = time.perf_counter()
+            logits = prefill(model, cache, prompt, args.chunk)
+            prefill_tps[c] = prompt.shape[1] / (time.perf_counter() - t0)
+            first[c] = mx.argmax(logits, axis=-1)
+            if "mlx_lm" in loops:
+                decode_tps[(c, "mlx_lm")].append(decode_mlx_lm(model, cache, first[c], args.decode))
+        peak[c] = mx.get_peak_memory() - others
+        stored[c] = sum(int(getattr(x, "live_nbytes", x.nbytes)) for x in cache)
+        caches[c] = cache
+        print(f"{c:16s} prefill {prefill_tps[c]:7.1f} tok/s  peak {peak[c] / 2**20:7.1f} MiB  "
+              + "  ".join(f"decode[{lp}] {v[-1]:6.2f}" for (cc, lp), v in decode_tps.items() if cc == c and v),
+              flush=True)
+    rng = random.Random(args.seed)
+    step_times = {c: [] for c in configs}
+    for r in range(args.repeats):  # pass 2
+        if "step" in loops:
+            for c, t in interleaved_steps(model, caches, first, args.decode, rng).items():
+                step_times[c].extend(t)
+            print(f"round {r}: " + "  ".join(f"{c} {1 / statistics.median(step_times[c]):.2f}" for c in configs),
                   flush=True)
+        if "mlx_lm" in loops and r > 0:
+            for c in configs:
+                with context_for(c):
+                    decode_tps[(c, "mlx_lm")].append(decode_mlx_lm(model, caches[c], first[c], args.decode))
+            print(f"repeat {r}: mlx_lm " + "  ".join(f"{c} {decode_tps[(c, 'mlx_lm')][-1]:.2f}" for c in configs),
+                  flush=True)
+    if "step" in loops:
+        for c in configs:
+            decode_tps[(c, "step")] = [1 / statistics.median(step_times[c])]
 
     rows = []
-    kv_p, kv_d = (statistics.median(speed["kv"][k]) for k in ("prefill", "decode"))
     for c in configs:
-        p, d = statistics.median(speed[c]["prefill"]), statistics.median(speed[c]["decode"])
-        rows.append({
-            "config": c, "prefill_tok_s": p, "decode_tok_s": d,
-            "prefill_vs_kv": p / kv_p, "decode_vs_kv": d / kv_d,
-            "prefill_runs": speed[c]["prefill"], "decode_runs": speed[c]["decode"],
-            "peak_mib": memory[c][0] / 2**20, "cache_mib": memory[c][1] / 2**20,
-        })
+        row = {"config": c, "prefill_tok_s": prefill_tps[c], "prefill_vs_kv": prefill_tps[c] / prefill_tps["kv"],
+               "peak_mib": peak[c] / 2**20, "cache_mib": stored[c] / 2**20}
+        for lp in loops:
+            d, d_kv = statistics.median(decode_tps[(c, lp)]), statistics.median(decode_tps[("kv", lp)])
+            row.update({f"decode_{lp}_tok_s": d, f"decode_{lp}_vs_kv": d / d_kv, f"decode_{lp}_runs": decode_tps[(c, lp)]})
+        if "step" in loops:
+            row["step_seconds"] = step_times[c]
+        rows.append(row)
     print(f"\nSmolLM2-135M, {args.prompt}-token prompt (chunks of {args.chunk}), decode {args.decode} tokens, "
-          f"median of {args.repeats}; peak over the prefill + decode")
-    print(f"{'config':16s} {'prefill tok/s':>13s} {'x kv':>6s} {'decode tok/s':>12s} {'x kv':>6s} "
-          f"{'peak MiB':>9s} {'cache MiB':>9s}")
+          f"step: {args.repeats} x {args.decode} interleaved steps (1 / median); mlx_lm: median of {args.repeats} passes; "
+          f"peak over prefill + first mlx_lm pass; BLAS {blas_name()}")
+    head = f"{'config':16s} {'prefill tok/s':>13s} {'x kv':>6s}"
+    for lp in loops:
+        head += f" {'decode[' + lp + ']':>14s} {'x kv':>6s}"
+    print(head + f" {'peak MiB':>9s} {'cache MiB':>9s}")
     for row in rows:
-        print(f"{row['config']:16s} {row['prefill_tok_s']:13.1f} {row['prefill_vs_kv']:6.2f} "
-              f"{row['decode_tok_s']:12.2f} {row['decode_vs_kv']:6.2f} {row['peak_mib']:9.1f} {row['cache_mib']:9.2f}")
+        line = f"{row['config']:16s} {row['prefill_tok_s']:13.1f} {row['prefill_vs_kv']:6.2f}"
+        for lp in loops:
+            line += f" {row[f'decode_{lp}_tok_s']:14.2f} {row[f'decode_{lp}_vs_kv']:6.2f}"
+        print(line + f" {row['peak_mib']:9.1f} {row['cache_mib']:9.2f}")
     out = {"model": args.model, "prompt": args.prompt, "chunk": args.chunk, "decode": args.decode,
-           "repeats": args.repeats, "rows": rows}
+           "repeats": args.repeats, "loops": loops, "blas": blas_name(), "rows": rows}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=2)

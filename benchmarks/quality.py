@@ -70,6 +70,14 @@ OURS = {
     "k4v4-o8-s4": dict(k_bits=4, v_bits=4, n_outlier_channels=8, outlier_bits=8, sink=4),
     "k3v3-o8-s4": dict(k_bits=3, v_bits=3, n_outlier_channels=8, outlier_bits=8, sink=4),
     "rvq-k2v2-s4": dict(method="turboquant_rvq", k_bits=2, v_bits=2, sink=4),
+    # The affine codecs made for attention on codes (veloxquant_mlx.attention): rotated MLX affine codes,
+    # keys per token ("aff") or per channel over 64-token blocks ("blk", up to 71 newest tokens exact).
+    "aff-k4v4": dict(k_bits=4, v_bits=4, codec="affine"),
+    "aff-k4v4-s4": dict(k_bits=4, v_bits=4, codec="affine", sink=4),
+    "blk-k4v4": dict(k_bits=4, v_bits=4, codec="affine_block"),
+    "blk-k4v4-s4": dict(k_bits=4, v_bits=4, codec="affine_block", sink=4),
+    "blk-k3v3-s4": dict(k_bits=3, v_bits=3, codec="affine_block", sink=4),
+    "blk-k8v4-s4": dict(k_bits=8, v_bits=4, codec="affine_block", sink=4),
     # The seed's cache: two b-bit RVQ key streams, float16 values.
     "seed-rvq-b1": dict(kind="rvq", k_bits=1),
     "seed-rvq-b2": dict(kind="rvq", k_bits=2),

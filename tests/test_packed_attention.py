@@ -77,8 +77,33 @@ def assert_close(out, ref):
     np.testing.assert_allclose(np.array(out), np.array(ref), rtol=1e-3, atol=1e-4)
 
 
+# -- the softmax exponential ------------------------------------------------------------------------
+def test_exp2_nonpositive_matches_power_of_two():
+    from veloxquant_mlx.attention.exp2 import exp2_nonpositive
+
+    t = np.concatenate([-np.random.default_rng(0).uniform(0, 126, 200_000), [0.0, -0.5, -1.0, -64.0, -126.0]])
+    got = np.array(exp2_nonpositive(mx.array(t.astype(np.float32))))
+    want = np.exp2(t.astype(np.float32).astype(np.float64))
+    assert got.dtype == np.float32
+    assert np.max(np.abs(got / want - 1)) < 3e-6
+    # Masked scores: far below the max, -inf, float32's most negative value -> exactly 0 (never NaN).
+    masked = np.array(exp2_nonpositive(mx.array([-127.0, -500.0, -np.inf, float(np.finfo(np.float32).min)], mx.float32)))
+    assert masked.tolist() == [0.0, 0.0, 0.0, 0.0]
+
+
+def test_exp2_fused_equals_plain_ops():
+    from veloxquant_mlx.attention import exp2
+
+    t = mx.array(-np.random.default_rng(1).uniform(0, 140, (3, 5, 777)).astype(np.float32))
+    fused = exp2.exp2_nonpositive(t)
+    assert mx.array_equal(fused, exp2.exp2_nonpositive_reference(t))
+    if exp2._fused_parts() is None:
+        pytest.skip("mx.compile cannot build CPU kernels here; the plain ops are used (checked above)")
+
+
 # -- equality with dequantize-then-SDPA -------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["affine2", "affine4", "affine8", "block4", "mse", "prod", "rvq", "mse+outliers"])
+@pytest.mark.parametrize("kind", ["affine2", "affine4", "affine8", "block2", "block4", "block8", "mse", "prod", "rvq",
+                                  "mse+outliers"])
 @pytest.mark.parametrize("rep", [1, 3])
 @pytest.mark.parametrize("mask_kind", ["none", "causal", "window", "bool"])
 @pytest.mark.parametrize("L", [1, 5])
@@ -276,17 +301,26 @@ def test_block_key_codec(bits):
     assert c.token_block == 64 and AffineRotatedCodec(D, bits).token_block == 1
     c.fit(x)
     arrays = c.encode(x)
-    for a in arrays.values():
-        assert a.shape[:3] == (2, 3, 128)
+    assert arrays["w_q"].shape == (2, 3, D, 128 * bits // 32)  # K^T layout, token axis last
+    assert arrays["scales"].shape == arrays["biases"].shape == (2, 3, D, 2)
+    assert c.n_tokens(arrays) == 128
     assert sum(a.nbytes for a in arrays.values()) / (2 * 3 * 128) == c.bytes_per_token_head()
     y = c.decode(arrays, mx.float32)
-    rel = float(mx.linalg.norm(y - x) / mx.linalg.norm(x - c.mean[None, :, None, :]))
+    rel = float(mx.linalg.norm(y - x) / mx.linalg.norm(x - mx.mean(x, axis=2, keepdims=True)))
     assert rel < 2.0 ** (1 - bits)
-    # Blocks are independent: coding the two halves apart gives the same arrays as coding them together.
+    # The mean is folded into the biases: the rotated codes decode to Pi x itself, and centring never
+    # hurts (it helps most at 2 bits, where the zero-point of MLX's affine format costs the most).
+    np.testing.assert_allclose(np.array(c.rotation.invert(c.decode_rotated(arrays))), np.array(y), atol=1e-5)
+    plain = AffineBlockKeyCodec(D, bits, seed=3, center=False)
+    y_plain = plain.decode(plain.encode(x), mx.float32)
+    assert float(mx.linalg.norm(y - x)) <= 1.02 * float(mx.linalg.norm(y_plain - x))
+    # Blocks are independent: coding the halves apart and concatenating equals coding them together,
+    # and slicing whole blocks back out gives each half.
     halves = [c.encode(x[:, :, i : i + 64]) for i in (0, 64)]
+    joined = AffineBlockKeyCodec.concat(halves)
     for name in arrays:
-        joined = mx.concatenate([h[name] for h in halves], axis=2)
-        np.testing.assert_array_equal(np.array(joined), np.array(arrays[name]))
+        np.testing.assert_array_equal(np.array(joined[name]), np.array(arrays[name]))
+        np.testing.assert_array_equal(np.array(c.slice_tokens(arrays, 64, 128)[name]), np.array(halves[1][name]))
     # Used as values too (decoded: correct, not the fast path).
     q = rand((2, 6, 2, D), 3)
     out = packed_attention(q, [CodedPart(c, arrays, c, arrays)], 0.1, "causal")
@@ -294,8 +328,10 @@ def test_block_key_codec(bits):
     assert_close(out, ref)
     with pytest.raises(ValueError, match="multiple of block"):
         c.encode(x[:, :, :100])
-    with pytest.raises(ValueError, match="multiple of block"):
-        c.decode({k: a[:, :, :100] for k, a in arrays.items()}, mx.float32)
+    with pytest.raises(ValueError, match="whole blocks"):
+        c.decode({k: a[..., :3] for k, a in arrays.items()}, mx.float32)
+    with pytest.raises(ValueError, match="aligned"):
+        c.slice_tokens(arrays, 0, 100)
 
 
 def test_affine_codec_rejects_bad_tensors():

@@ -33,6 +33,16 @@ def rel_err(a, b):
     return (mx.linalg.norm(a - b) / mx.linalg.norm(b)).item()
 
 
+def assert_same_stored_tokens(a, b, rest, chunks):
+    """``rest`` (keys, values) into ``a`` in one call and into ``b`` in ``chunks``: same history fetched."""
+    whole = a.update_and_fetch(*rest)
+    start = 0
+    for T in chunks:
+        got = b.update_and_fetch(rest[0][:, :, start : start + T], rest[1][:, :, start : start + T])
+        start += T
+    assert mx.allclose(whole[0], got[0], atol=1e-6) and mx.allclose(whole[1], got[1], atol=1e-6)
+
+
 # -- basics -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 def test_fetch_shapes_dtype_and_growth(dtype):
@@ -115,12 +125,7 @@ def test_chunking_does_not_change_the_stored_tokens(chunks, sink, recent):
     b = copy.deepcopy(a)
     for c in (a, b):
         c.update_and_fetch(*first)
-    whole = a.update_and_fetch(*rest)
-    start = 0
-    for T in chunks:
-        got = b.update_and_fetch(rest[0][:, :, start : start + T], rest[1][:, :, start : start + T])
-        start += T
-    assert mx.allclose(whole[0], got[0], atol=1e-6) and mx.allclose(whole[1], got[1], atol=1e-6)
+    assert_same_stored_tokens(a, b, rest, chunks)
 
 
 def test_zero_keys_give_no_nan():
@@ -269,3 +274,68 @@ def test_rotating_keeps_its_window_coded():
     assert cache.codes.length == 3
     restored = TurboQuantRotatingPackedCache.from_state(cache.state)
     assert (restored.max_size, restored.keep, restored.offset) == (6, 2, 12)
+
+
+# -- codec="affine_block": keys coded in whole blocks of tokens, K^T layout ----------------------------
+DB = 32  # head dim for the affine codecs (their groups are 32, 64 or 128 wide); block = 32 tokens here
+
+
+def block_cache(**kw):
+    kw.setdefault("codec", "affine_block")
+    return TurboQuantPackedCache(cfg(), **kw)
+
+
+def test_block_codec_codes_whole_blocks_and_reads_the_rest_exactly():
+    cache = block_cache(sink=1, trim_headroom=2)
+    k, v = kv(T=100, d=DB, offset=0.5)
+    keys, values = cache.update_and_fetch(k, v)
+    # 99 non-sink tokens: 3 blocks of 32 coded once 2 (headroom) newer ones exist; 3 stay exact.
+    assert (cache.sink_store.length, cache.codes.length, cache.tail.length) == (1, 96, 3)
+    assert cache.key_columns["w_q"].shape == (1, 2, DB, 96 * 4 // 32)
+    assert cache.key_columns["scales"].shape == (1, 2, DB, 3)
+    exact = [0, 97, 98, 99]
+    assert mx.array_equal(keys[:, :, exact], k[:, :, exact]) and mx.array_equal(values[:, :, exact], v[:, :, exact])
+    assert 0 < rel_err(keys[:, :, 1:97], k[:, :, 1:97]) < 0.2 and 0 < rel_err(values[:, :, 1:97], v[:, :, 1:97]) < 0.2
+    arrays = [a for n, a in cache.state.items() if n != "meta"]
+    assert cache.live_nbytes == sum(a.nbytes for a in arrays)
+
+
+@settings(max_examples=10, deadline=None)
+@given(chunks=st.lists(st.integers(1, 40), min_size=1, max_size=6))
+def test_block_codec_chunking_does_not_change_the_stored_tokens(chunks):
+    # The codecs are fitted when the first block is coded (here by the first 60 tokens); after that, how
+    # tokens arrive does not change what is stored.
+    first, rest = kv(T=60, d=DB, seed=0), kv(T=sum(chunks), d=DB, seed=1)
+    a, b = block_cache(sink=2), block_cache(sink=2)
+    for c in (a, b):
+        c.update_and_fetch(*first)
+    assert_same_stored_tokens(a, b, rest, chunks)
+
+
+@pytest.mark.parametrize("n", [1, 3, 20, 45, 200])
+def test_block_codec_trim_into_the_codes_keeps_every_surviving_token(n):
+    cache = block_cache(sink=2, trim_headroom=2)
+    keys, values = cache.update_and_fetch(*kv(T=110, d=DB))
+    assert cache.trim(n) == min(n, 110)
+    left = 110 - min(n, 110)
+    assert cache.offset == left == cache.sink_store.length + cache.codes.length + cache.tail.length
+    assert cache.codes.length % 32 == 0 and cache.codes.length == cache.k_codec.n_tokens(cache.key_columns or
+                                                                                       {"scales": mx.zeros((1, 2, DB, 0))})
+    if left:
+        k2, v2 = cache._fetch(mx.float32)
+        # Survivors of a cut block come back as their decoded values: the history reads as before.
+        assert mx.allclose(k2, keys[:, :, :left], atol=1e-5) and mx.allclose(v2, values[:, :, :left], atol=1e-5)
+    k3, _ = cache.update_and_fetch(*kv(T=70, d=DB, seed=3))
+    assert k3.shape[2] == left + 70 and cache.codes.length % 32 == 0
+
+
+def test_block_codec_state_round_trip_and_rotating_refusal():
+    cache = block_cache(sink=1, recent=2)
+    cache.update_and_fetch(*kv(B=2, T=75, d=DB))
+    restored, twin = TurboQuantPackedCache.from_state(cache.state), copy.deepcopy(cache)
+    nxt = kv(B=2, T=40, d=DB, seed=5)
+    a, b, c = cache.update_and_fetch(*nxt), restored.update_and_fetch(*nxt), twin.update_and_fetch(*nxt)
+    for x in (b, c):
+        assert mx.array_equal(a[0], x[0]) and mx.array_equal(a[1], x[1])
+    with pytest.raises(ValueError, match="affine_block"):
+        TurboQuantRotatingPackedCache(cfg(), max_size=64, codec="affine_block")

@@ -1,8 +1,12 @@
 """Packed caches wired to attention on codes: same tokens and logits with and without the hook.
 
 Inside ``use_packed_attention()`` a packed cache's ``update_and_fetch`` returns placeholders and mlx_lm's
-SDPA is routed to ``attend_packed``, which reads the codes. The stored tokens are the same either way,
-so greedy tokens must match exactly and logits up to float32 rounding (different summation order).
+SDPA is routed to ``attend_packed``, which reads the codes. Every such call is checked against SDPA on
+the same cache's decoded history (same stored state, real mlx_lm masks): equal up to float32 rounding.
+Whole runs with and without the hook drift apart a little more: codes are discontinuous, so a
+rounding-level difference in a token coded during the run can move one of its codes by a quantization
+step (seen: one value code of one token, 1.5e-2 relative on the logits); greedy tokens must still match
+and logits stay within ``FREE_RUN_TOL``.
 Tiny random mlx_lm models are built in-process; all weights but q/k projections are scaled up so greedy
 decoding visits several tokens (flat logits would make any comparison trivially pass).
 """
@@ -25,9 +29,10 @@ from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache, TurboQuantR
 from veloxquant_mlx.cache.prompt_cache_io import load_prompt_cache, save_prompt_cache
 from veloxquant_mlx.config import KVCacheConfig
 
-PROMPT_LEN, CHUNK, STEPS = 24, 8, 12
+PROMPT_LEN, CHUNK, STEPS = 48, 8, 12  # long enough for affine_block to code blocks of 32 tokens
 REL_TOL = 1e-4
-CODECS = ("lloyd_max", "affine")
+FREE_RUN_TOL = 5e-2
+CODECS = ("lloyd_max", "affine", "affine_block")
 
 
 def build_model(name: str):
@@ -82,21 +87,27 @@ def decode(model, cache, logits: mx.array, steps: int):
     return mx.stack(toks, axis=1).tolist(), mx.stack(seen), logits
 
 
-def assert_close(a: mx.array, b: mx.array):
+def assert_close(a: mx.array, b: mx.array, tol: float = REL_TOL):
     a, b = np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32))
     err = np.abs(a - b).max() / np.abs(b).max()
-    assert err <= REL_TOL, f"relative logit difference {err:.2e} > {REL_TOL}"
+    assert err <= tol, f"relative logit difference {err:.2e} > {tol}"
 
 
 @pytest.fixture
 def count_packed(monkeypatch):
-    """Counts attend_packed calls, and forbids decoding the history while the hook routes attention."""
-    calls = {"attend": 0}
+    """Counts attend_packed calls, checks each against SDPA on the decoded history of the same cache
+    (relative errors in ``calls["errors"]``), and forbids decoding the history while the hook routes attention."""
+    calls = {"attend": 0, "errors": []}
     attend, fetch = TurboQuantPackedCache.attend_packed, TurboQuantPackedCache._fetch
 
-    def spy_attend(self, *a, **k):
+    def spy_attend(self, queries, scale, mask, *a, **k):
         calls["attend"] += 1
-        return attend(self, *a, **k)
+        out = attend(self, queries, scale, mask, *a, **k)
+        keys, values = fetch(self, mx.float32)
+        ref = mx.fast.scaled_dot_product_attention(queries.astype(mx.float32), keys, values, scale=scale, mask=mask)
+        err = mx.abs(out.astype(mx.float32) - ref).max() / mx.abs(ref).max()
+        calls["errors"].append(float(err))
+        return out
 
     def guarded_fetch(self, dtype):
         from veloxquant_mlx.attention import is_active
@@ -133,8 +144,9 @@ def test_llama_same_tokens_and_logits_with_and_without_hook(llama_model, codec, 
         toks, logits, last = decode(llama_model, cache, prefill(llama_model, cache, p), STEPS)
     n_layers = len(llama_model.layers)
     assert count_packed["attend"] == n_layers * (PROMPT_LEN // CHUNK + STEPS)
+    assert max(count_packed["errors"]) <= REL_TOL
     assert toks == ref_toks
-    assert_close(logits, ref_logits)
+    assert_close(logits, ref_logits, FREE_RUN_TOL)
     assert all(c.codes.length > 0 for c in cache), "tokens must really have been coded"
 
     # Outside the context the same caches go on through update_and_fetch (decoded history).
@@ -143,7 +155,7 @@ def test_llama_same_tokens_and_logits_with_and_without_hook(llama_model, codec, 
     more, more_logits, _ = decode(llama_model, cache, last, 4)
     assert count_packed["attend"] == before
     assert more == ref_more
-    assert_close(more_logits, ref_more_logits)
+    assert_close(more_logits, ref_more_logits, FREE_RUN_TOL)
 
 
 @pytest.mark.parametrize("codec", CODECS)
@@ -159,8 +171,9 @@ def test_gemma3_rotating_same_tokens_and_logits(gemma_model, codec, count_packed
     with use_packed_attention():
         toks, logits, _ = decode(gemma_model, cache, prefill(gemma_model, cache, p), STEPS)
     assert count_packed["attend"] > 0
+    assert max(count_packed["errors"]) <= REL_TOL
     assert toks == ref_toks
-    assert_close(logits, ref_logits)
+    assert_close(logits, ref_logits, FREE_RUN_TOL)
     rotating = [c for c in cache if isinstance(c, TurboQuantRotatingPackedCache)]
     assert all(c.size() == c.max_size for c in rotating), "the sliding windows must have evicted"
 

@@ -389,6 +389,8 @@ def cmd_plan(args) -> int:
     return 0
 
 
+# Commands that run models: inside use_packed_attention() (serve installs it in its own serving context).
+ATTENTION_ON_CODES = ("demo", "generate", "eval")
 COMMANDS = {"demo": cmd_demo, "generate": cmd_generate, "eval": cmd_eval, "methods": cmd_methods, "plan": cmd_plan, "serve": cmd_serve}
 
 
@@ -404,6 +406,13 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     try:
         args = build_parser().parse_args(argv)
+        if args.command in ATTENTION_ON_CODES:
+            from .attention import use_packed_attention
+
+            # Our caches attend straight from their codes (same results up to float32 rounding, faster);
+            # other caches are untouched. Undone when the command returns.
+            with use_packed_attention():
+                return COMMANDS[args.command](args)
         return COMMANDS[args.command](args)
     except (CLIError, ValueError, TypeError, FileNotFoundError, ModelPackageMissing, CorpusMissing) as e:
         msg = str(e)

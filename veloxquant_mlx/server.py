@@ -353,7 +353,8 @@ def compressed_kv_serving(
 ) -> Iterator[None]:
     """Route mlx_lm's server through our caches and model loader; restore mlx_lm on exit.
 
-    Inside the context: ``mlx_lm.server.make_prompt_cache`` and ``mlx_lm.generate.make_prompt_cache``
+    Inside the context: packed attention is on (`veloxquant_mlx.attention.install`: our caches attend
+    from their codes), ``mlx_lm.server.make_prompt_cache`` and ``mlx_lm.generate.make_prompt_cache``
     (which ``BatchGenerator`` calls) build ``recipe``'s caches; ``mlx_lm.server.load`` returns
     ``preloaded[path]`` (model, tokenizer) when given, loads "smollm2"/.gguf through
     :func:`veloxquant_mlx.models.load_model`, and defers to mlx_lm otherwise. Not reentrant.
@@ -390,6 +391,9 @@ def compressed_kv_serving(
             return model, tokenizer, _model_config(model)
         return model, tokenizer
 
+    from .attention import hook as attention_hook
+
+    attention_hook.install()  # our caches attend from their codes; undone below
     try:
         _mlx_server.make_prompt_cache = make_prompt_cache
         _mlx_generate.make_prompt_cache = make_prompt_cache
@@ -398,6 +402,7 @@ def compressed_kv_serving(
     finally:
         for module, name, value in saved:
             setattr(module, name, value)
+        attention_hook.uninstall()
         with _HOOK_LOCK:
             _HOOK_ACTIVE = False
 

@@ -23,12 +23,13 @@ provided the model's attention really goes through mlx_lm's function: `routes_mo
 Caches without ``attend_packed`` go through the original mlx_lm function unchanged.
 
 A packed cache can implement the method in one line with
-``packed_attention_for_cache(self, queries, scale, mask, sinks)``, which reads ``sink_store``, ``codes``,
-``tail`` (TokenStores) and ``k_codec`` / ``v_codec`` (AffineRotatedCodec or ChannelCodec).
+``packed_attention_for_cache(self, queries, scale, mask, sinks)``, which reads ``sink_store`` and ``tail``
+(TokenStores of exact tokens), ``codes.length``, ``coded_arrays()``, ``exact_tail_from`` and ``k_codec`` /
+``v_codec`` (AffineRotatedCodec, AffineBlockKeyCodec or ChannelCodec); see `cache_parts`.
 """
 from .hook import (implements_protocol, install, is_active, packed_scaled_dot_product_attention,
                    placeholder_history, routes_model, uninstall, use_packed_attention)
-from .packed_sdpa import (CodedPart, ExactPart, cache_parts, coded_attention, merge_partials,
+from .packed_sdpa import (CodedPart, ExactPart, cache_parts, coded_attention,
                           packed_attention, packed_attention_for_cache)
 
 __all__ = [
@@ -39,7 +40,6 @@ __all__ = [
     "implements_protocol",
     "install",
     "is_active",
-    "merge_partials",
     "packed_attention",
     "packed_attention_for_cache",
     "packed_scaled_dot_product_attention",

@@ -52,13 +52,20 @@ def routes_model(model) -> bool:
     return is_active() and getattr(mod, _NAME, None) is packed_scaled_dot_product_attention
 
 
+_zeros = {}  # (ndim, dtype) -> a one-element zero array, shared by every placeholder (never written)
+
+
 def placeholder_history(shape, dtype) -> mx.array:
     """A stand-in ``(B, H, n, d)`` tensor that costs no memory (a broadcast scalar zero).
 
     For ``update_and_fetch`` while the hook is active: mlx_lm passes it on to SDPA, which the hook
     sends to ``cache.attend_packed`` instead, so the history is never dequantized.
     """
-    return mx.broadcast_to(mx.zeros((1,) * len(shape), dtype=dtype), tuple(shape))
+    key = (len(shape), dtype)
+    zero = _zeros.get(key)
+    if zero is None:
+        zero = _zeros[key] = mx.zeros((1,) * len(shape), dtype=dtype)
+    return mx.broadcast_to(zero, tuple(shape))
 
 
 def packed_scaled_dot_product_attention(queries, keys, values, cache, *args, **kwargs):

@@ -9,20 +9,22 @@ Pure functions. The history is a sequence of *parts* in temporal order (the orde
     scored with ``mx.quantized_matmul(q Pi^T, codes, transpose=True)`` and values aggregated with
     ``mx.quantized_matmul(p, codes)``; the ``(.., d)`` output is rotated back once (Pi is orthogonal,
     so q.k = (Pi q).(Pi k)).
-  * `AffineBlockKeyCodec` (``kind == "affine_block"``): the same for keys, but quantized per channel along
-    blocks of tokens, so scoring is ``mx.quantized_matmul(q Pi^T, K^T codes, transpose=False)`` (faster
-    on CPU under GQA); as values it is decoded (correct, slower).
+  * `AffineBlockKeyCodec` (``kind == "affine_block"``): keys stored as ``K^T`` ``(B, Hkv, d, ...)``, each
+    rotated channel quantized along blocks of tokens, so scoring is one
+    ``mx.quantized_matmul(q Pi^T, K^T codes, transpose=False)`` (the fastest form on CPU under GQA);
+    as values it is decoded (correct, slower).
   * `ChannelCodec` (Lloyd-Max TurboQuant codes, optional outlier channel split): each channel group is
     decoded in its rotated basis (``decode_rotated``, no inverse rotation of the history) and multiplied
     with the query rotated per group. Correct, but it materializes float32 rotated codes: slower.
 
-Centering is free: for keys ``q.(mu + Pi^T y) = (Pi q).y + q.mu`` and ``q.mu`` is one number per query,
-carried as a shift of the part's running max; for values the weights of a part sum to ``l`` so ``l mu``
-is added once to the ``(.., d)`` output.
+Centering is cheap: for keys ``q.(mu + Pi^T y) = (Pi q).y + q.mu`` and ``q.mu`` is one number per query,
+added to the part's scores (block keys fold ``Pi mu`` into their biases instead: nothing to add); for values
+the weights of a part sum to ``l`` so ``l mu`` is added once to the ``(.., d)`` output.
 
-Each part yields the flash-attention triple ``(o, m, l)``: ``m`` the max score, ``l = sum exp(s - m)``,
-``o = sum exp(s - m) v``; parts (and optional per-head attention-sink logits) are merged exactly with a
-log-sum-exp merge, so the result equals SDPA over the concatenated history. Softmax math is float32.
+All parts are scored into one ``(B, Hkv, R*L, N)`` tensor (in log2 units: the query carries
+``scale / ln 2``) and share one softmax, whose exponential is `exp2_nonpositive` (plain elementwise ops,
+about twice as fast as ``mx.exp`` on CPU); each part then aggregates its own slice of the weights. Optional
+per-head attention-sink logits join the denominator. Softmax math is float32.
 
 On CPU the quantized matmuls cost grows with the query rows per KV head (``R*L``), so for prefill-sized
 chunks a coded part is dequantized once in the rotated domain and multiplied with BLAS instead (still
@@ -41,6 +43,8 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
+from veloxquant_mlx.attention.exp2 import LOG2E, exp2_nonpositive
+
 # A finite "minus infinity" for masked scores: exp(NEG - m) underflows to 0 without 0 * inf NaNs.
 NEG = float(mx.finfo(mx.float32).min)
 
@@ -52,9 +56,15 @@ NEG = float(mx.finfo(mx.float32).min)
 CPU_PACKED_ROWS = {"keys": 12, "block_keys": 32, "values": 32}
 
 # Long query chunks on the dequantize path are attended QUERY_BLOCK positions at a time, so the float32
-# scores (B, Hq, block, N) stay small: a 256-token prefill chunk at 4k context would otherwise hold
-# ~2-3 copies of a 9 x 256 x 4096 float32 score tensor (~38 MiB each) at once.
-QUERY_BLOCK = 32
+# scores (B, Hq, block, N) and the softmax's temporaries stay small: a 256-token prefill chunk at 4k context
+# would otherwise hold several 9 x 256 x 4096 float32 tensors (~38 MiB each) at once. Measured on SmolLM2 at
+# 4096 tokens (benchmarks/e2e_speed.py): blocks of 32 peaked 49 MiB higher than blocks of 16.
+QUERY_BLOCK = 16
+
+
+def _f32(x: mx.array) -> mx.array:
+    """``x`` as float32, without adding a graph node when it already is (decode builds ~60 ops per layer)."""
+    return x if x.dtype == mx.float32 else x.astype(mx.float32)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -83,7 +93,8 @@ class CodedPart:
 
     @property
     def length(self) -> int:
-        return next(iter(self.k_arrays.values())).shape[2]
+        n_tokens = getattr(self.k_codec, "n_tokens", None)  # affine codecs know their layout
+        return n_tokens(self.k_arrays) if n_tokens else next(iter(self.k_arrays.values())).shape[2]
 
 
 Part = Union[ExactPart, CodedPart]
@@ -181,9 +192,14 @@ def _channel_perm(codec):
 
 
 def _mean(codec) -> Optional[mx.array]:
-    """The codec's per-head mean ``(H, d)`` as float32 (ChannelCodec keeps it in bfloat16), or None."""
+    """The per-head mean ``(H, d)`` attention must add back, as float32 (ChannelCodec keeps it in bfloat16).
+
+    None when the codec does not centre or already folds the mean into its codes (``mean_in_codes``).
+    """
+    if getattr(codec, "mean_in_codes", False):
+        return None
     mu = getattr(codec, "mean", None)
-    return None if mu is None else mu.astype(mx.float32)
+    return None if mu is None else _f32(mu)
 
 
 def _permute(x: mx.array, perm: mx.array) -> mx.array:
@@ -233,19 +249,17 @@ def coded_scores(
     if _is_affine(codec):
         q_rot = codec.rotation.apply(q)
         s = mx.quantized_matmul(
-            q_rot, arrays["w_q"], arrays["scales"], arrays["biases"],
+            q_rot, arrays["w_q"], _f32(arrays["scales"]), _f32(arrays["biases"]),
             transpose=True, group_size=codec.group_size, bits=codec.bits,
         )
-        return s.astype(mx.float32), shift
+        return _f32(s), shift
     if _is_block(codec):
-        # K^T per block is (d, block) quantized along tokens: x @ W with W = K^T, the fast form.
-        w_q, scales, biases = codec.blocks(arrays)  # (B, H, nb, d, block*bits/32), (B, H, nb, d, 1)
-        q_rot = mx.expand_dims(codec.rotation.apply(q), 2)  # (B, H, 1, M, d)
+        # K^T quantized along tokens: q @ K^T is x @ W with W = K^T, the fast (transpose=False) form.
         s = mx.quantized_matmul(
-            q_rot, w_q, scales, biases, transpose=False, group_size=codec.block, bits=codec.bits
-        )  # (B, H, nb, M, block)
-        B, H, nb, M, blk = s.shape
-        return mx.swapaxes(s, 2, 3).reshape(B, H, M, nb * blk).astype(mx.float32), shift
+            codec.rotation.apply(q), arrays["w_q"], _f32(arrays["scales"]),
+            _f32(arrays["biases"]), transpose=False, group_size=codec.block, bits=codec.bits,
+        )  # (B, H, M, n)
+        return s, shift
     perm, _ = _channel_perm(codec)
     qp = _permute(q, perm) if perm is not None else q
     s = None
@@ -266,10 +280,10 @@ def coded_values(
     """
     if _is_affine(codec) and _packed_ok("values", p.shape[2], packed_rows):
         o_rot = mx.quantized_matmul(
-            p, arrays["w_q"], arrays["scales"], arrays["biases"],
+            p, arrays["w_q"], _f32(arrays["scales"]), _f32(arrays["biases"]),
             transpose=False, group_size=codec.group_size, bits=codec.bits,
         )
-        o = codec.rotation.invert(o_rot.astype(mx.float32))
+        o = codec.rotation.invert(_f32(o_rot))
     elif _is_affine(codec) or _is_block(codec):
         # Many rows, or block layout (made for keys): dequantize in the rotated domain, BLAS matmul.
         o = codec.rotation.invert(p @ codec.decode_rotated(arrays))
@@ -289,49 +303,35 @@ def coded_values(
 
 
 # --------------------------------------------------------------------------------------------------------
-# one part -> (o, m, l); merge
+# all parts in one softmax
 # --------------------------------------------------------------------------------------------------------
-def _softmax_stats(s: mx.array):
-    """``s`` ``(.., n)`` -> (unnormalized weights e, max m ``(.., 1)``, sum l ``(.., 1)``)."""
-    m = mx.maximum(mx.max(s, axis=-1, keepdims=True), NEG)  # finite even when a row is all -inf
-    e = mx.exp(s - m)
-    return e, m, mx.sum(e, axis=-1, keepdims=True)
+def part_scores(q: mx.array, part: Part, mask, R: int, L: int, packed_rows: Optional[int] = None) -> mx.array:
+    """Masked scores ``(B, Hkv, R*L, n)`` of grouped queries ``(B, Hkv, R*L, d)`` on one part.
 
-
-def part_attention(q: mx.array, part: Part, mask, R: int, L: int, packed_rows: Optional[int] = None):
-    """Grouped scaled float32 queries ``(B, Hkv, R*L, d)`` on one part -> ``(o, m, l)``.
-
-    ``o`` ``(B, Hkv, R*L, dv)`` unnormalized, ``m`` and ``l`` ``(B, Hkv, R*L, 1)``.
+    Units are whatever the queries carry (`packed_attention` passes log2 units); a coded part's mean
+    shift ``q . mu`` is added, so scores of different parts are comparable. ``mask``: a segment mask.
     """
     if isinstance(part, ExactPart):
-        k = part.keys.astype(mx.float32)
-        s = q @ mx.swapaxes(k, -1, -2)
-        e, m, l = _softmax_stats(_apply_mask(s, mask, R, L))
-        return e @ part.values.astype(mx.float32), m, l
-    s, shift = coded_scores(q, part.k_codec, part.k_arrays, packed_rows)
-    e, m, l = _softmax_stats(_apply_mask(s, mask, R, L))
-    o = coded_values(e, l, part.v_codec, part.v_arrays, packed_rows)
-    if shift is not None:
-        m = m + shift
-    return o, m, l
+        s = q @ mx.swapaxes(_f32(part.keys), -1, -2)
+    else:
+        s, shift = coded_scores(q, part.k_codec, part.k_arrays, packed_rows)
+        if shift is not None:
+            s = s + shift
+    return _apply_mask(s, mask, R, L)
 
 
-def merge_partials(partials: Sequence[Tuple[mx.array, mx.array, mx.array]], sink_logits: Optional[mx.array] = None):
-    """Exact log-sum-exp merge of ``(o, m, l)`` triples (+ optional sink logits ``(.., 1)``): normalized output."""
-    ms = [m for _, m, _ in partials]
-    if sink_logits is not None:
-        ms.append(sink_logits)
-    m_all = ms[0]
-    for m in ms[1:]:
-        m_all = mx.maximum(m_all, m)
-    num, den = None, None
-    for o, m, l in partials:
-        a = mx.exp(m - m_all)
-        num = a * o if num is None else num + a * o
-        den = a * l if den is None else den + a * l
-    if sink_logits is not None:
-        den = den + mx.exp(sink_logits - m_all)
-    return num / den
+def part_values(e: mx.array, l_part: Optional[mx.array], part: Part, packed_rows: Optional[int] = None) -> mx.array:
+    """``sum_j e_j v_j`` over one part: weights ``(B, Hkv, M, n)`` -> ``(B, Hkv, M, dv)`` (unnormalized).
+
+    ``l_part`` ``(B, Hkv, M, 1)`` is the weights' row sum; only a centred value codec needs it (else None).
+    """
+    if isinstance(part, ExactPart):
+        return e @ _f32(part.values)
+    return coded_values(e, l_part, part.v_codec, part.v_arrays, packed_rows)
+
+
+def _needs_row_sum(part: Part) -> bool:
+    return isinstance(part, CodedPart) and _mean(part.v_codec) is not None
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -349,7 +349,7 @@ def _check_queries(queries) -> None:
 def _part_heads(part: Part) -> Tuple[int, int]:
     if isinstance(part, ExactPart):
         return part.keys.shape[0], part.keys.shape[1]
-    a = next(iter(part.k_arrays.values()))
+    a = next(iter(part.v_arrays.values()))  # (B, H, ...) in every layout
     return a.shape[0], a.shape[1]
 
 
@@ -408,26 +408,55 @@ def packed_attention(
     grouped_mask = mask
     if isinstance(mask, mx.array):
         grouped_mask = _grouped_mask(mask, B, Hq, Hkv, L, N)
-    # Scale once; rows ordered (head r, query l) within each KV head, as (B, Hkv, R, L, d) flattened.
-    q = (queries.astype(mx.float32) * scale).reshape(B, Hkv, R * L, d)
-    partials, start = [], 0
+        if grouped_mask.dtype != mx.bool_:
+            grouped_mask = grouped_mask.astype(mx.float32) * LOG2E  # additive masks join log2 scores
+    if sinks is not None and sinks.size != Hq:
+        raise ValueError(f"sinks must hold one logit per query head ({Hq}), got shape {tuple(sinks.shape)}")
+    # Scores in log2 units (scale and 1/ln 2 folded into the query once), so the softmax is 2**(s - max).
+    # Rows ordered (head r, query l) within each KV head, as (B, Hkv, R, L, d) flattened.
+    q = (_f32(queries) * (scale * LOG2E)).reshape(B, Hkv, R * L, d)
+    scores, start = [], 0
     for p in parts:
         seg = _segment_mask(grouped_mask, start, start + p.length, L, N, window_size)
-        partials.append(part_attention(q, p, seg, R, L, packed_rows))
+        scores.append(part_scores(q, p, seg, R, L, packed_rows))
         start += p.length
+    # One softmax over every part: a single max, exponential and sum instead of one per part plus an
+    # exact log-sum-exp merge (fewer, larger ops; the parts share the max, so no rescaling is needed).
+    s = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1)
+    m = mx.max(s, axis=-1, keepdims=True)
     sink_logits = None
-    if sinks is not None:
-        if sinks.size != Hq:
-            raise ValueError(f"sinks must hold one logit per query head ({Hq}), got shape {tuple(sinks.shape)}")
+    if sinks is not None:  # gpt-oss style sinks: join the denominator, carry no value
         sink_logits = mx.broadcast_to(
-            sinks.astype(mx.float32).reshape(1, Hkv, R, 1), (1, Hkv, R, L)
+            (sinks.astype(mx.float32) * LOG2E).reshape(1, Hkv, R, 1), (1, Hkv, R, L)
         ).reshape(1, Hkv, R * L, 1)
-    if len(partials) == 1 and sink_logits is None:
-        o, _, l = partials[0]
-        out = o / l
-    else:
-        out = merge_partials(partials, sink_logits)
-    return out.reshape(B, Hq, L, out.shape[-1]).astype(queries.dtype)
+        m = mx.maximum(m, sink_logits)
+    if mask is not None:
+        m = mx.maximum(m, NEG)  # finite even when a row is fully masked
+    e = exp2_nonpositive(s - m, fused=L == 1)  # fused kernel at decode only (see exp2_nonpositive)
+    l = mx.sum(e, axis=-1, keepdims=True)
+    # Per-part row sums only where a centred value codec needs them; the largest part's is l - the rest.
+    bounds = [0]
+    for p in parts:
+        bounds.append(bounds[-1] + p.length)
+    big = max(range(len(parts)), key=lambda i: parts[i].length)
+    sums: Dict[int, mx.array] = {}
+    if any(_needs_row_sum(p) for p in parts):
+        for i in range(len(parts)):
+            if i != big:
+                sums[i] = mx.sum(e[..., bounds[i] : bounds[i + 1]], axis=-1, keepdims=True)
+        sums[big] = l
+        for i, v in list(sums.items()):
+            if i != big:
+                sums[big] = sums[big] - v
+    o = None
+    for i, p in enumerate(parts):
+        e_i = e if len(parts) == 1 else e[..., bounds[i] : bounds[i + 1]]
+        o_i = part_values(e_i, sums.get(i), p, packed_rows)
+        o = o_i if o is None else o + o_i
+    if sink_logits is not None:
+        l = l + exp2_nonpositive(sink_logits - m)
+    out = (o / l).reshape(B, Hq, L, o.shape[-1])
+    return out if out.dtype == queries.dtype else out.astype(queries.dtype)
 
 
 def _blocked_attention(queries, parts, scale, mask, sinks, window_size, packed_rows, N: int) -> mx.array:
@@ -437,12 +466,18 @@ def _blocked_attention(queries, parts, scale, mask, sinks, window_size, packed_r
     made explicit and sliced along its query axis. Same result, bounded score memory.
     """
     L = queries.shape[2]
-    exact = []
+    # One exact part for the whole history (decoded once, shared by every block): each block then scores
+    # a single tensor, with no per-block concatenation or slicing of its scores.
+    ks, vs = [], []
     for p in parts:
         if isinstance(p, CodedPart):
-            exact.append(ExactPart(p.k_codec.decode(p.k_arrays, mx.float32), p.v_codec.decode(p.v_arrays, mx.float32)))
+            ks.append(p.k_codec.decode(p.k_arrays, mx.float32))
+            vs.append(p.v_codec.decode(p.v_arrays, mx.float32))
         else:
-            exact.append(p)
+            ks.append(_f32(p.keys))
+            vs.append(_f32(p.values))
+    exact = [ExactPart(ks[0], vs[0]) if len(ks) == 1 else
+             ExactPart(mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2))]
     if isinstance(mask, str):  # "causal": queries are the last L of the N keys
         q_pos = mx.arange(N - L, N)[:, None]
         k_pos = mx.arange(N)[None, :]
@@ -500,11 +535,11 @@ def cache_parts(cache) -> List[Part]:
 
     - ``cache.sink_store``, ``cache.tail``: TokenStores (``.length``, ``.view(start, stop)``) holding arrays
       "k", "v" ``(B, Hkv, n, d)`` — the exact first / newest tokens;
-    - ``cache.recent`` (int, default: the whole tail): only the last ``recent`` tail tokens read exactly;
-      older tail tokens (trim headroom) read as coded, so they are encoded here (a few tokens), exactly as
-      the cache's own fetch does;
-    - ``cache.codes``: TokenStore holding ``"k_<field>"`` / ``"v_<field>"`` codec arrays ``(B, Hkv, n, ...)``;
-    - ``cache.k_codec``, ``cache.v_codec``: the codecs that wrote them (AffineRotatedCodec or ChannelCodec).
+    - ``cache.exact_tail_from`` (int, default 0): tail tokens before this index read as coded, so they are
+      encoded here (a few tokens), exactly as the cache's own fetch does;
+    - ``cache.codes`` (``.length``) and ``cache.coded_arrays()`` -> ``(key arrays, value arrays)`` of the
+      coded tokens in their codecs' layouts;
+    - ``cache.k_codec``, ``cache.v_codec``: the codecs that wrote them.
     Temporal order is ``[sink | codes | tail]``.
     """
     parts: List[Part] = []
@@ -513,17 +548,11 @@ def cache_parts(cache) -> List[Part]:
         s = sink.view()
         parts.append(ExactPart(s["k"], s["v"]))
     if cache.codes.length:
-        c = cache.codes.view()
-        parts.append(
-            CodedPart(
-                cache.k_codec, {n[2:]: a for n, a in c.items() if n.startswith("k_")},
-                cache.v_codec, {n[2:]: a for n, a in c.items() if n.startswith("v_")},
-            )
-        )
+        k_arrays, v_arrays = cache.coded_arrays()
+        parts.append(CodedPart(cache.k_codec, k_arrays, cache.v_codec, v_arrays))
     tail = getattr(cache, "tail", None)
     if tail is not None and tail.length:
-        recent = getattr(cache, "recent", None)
-        n_old = 0 if recent is None else max(tail.length - int(recent), 0)
+        n_old = int(getattr(cache, "exact_tail_from", 0))
         if n_old:
             old = tail.view(0, n_old)
             parts.append(CodedPart(cache.k_codec, cache.k_codec.encode(old["k"]),

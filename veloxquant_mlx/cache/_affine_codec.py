@@ -88,8 +88,13 @@ class AffineRotatedCodec:
         self.rotation = make_rotation(d, seed, rotation)
         self.mean: Optional[mx.array] = None  # (H, d) float32
 
-    # Tokens are coded independently: a cache may code any number at a time.
+    # Tokens are coded independently: a cache may code any number at a time; token axis 2.
     token_block = 1
+    token_axis = 2
+
+    def n_tokens(self, arrays: Dict[str, mx.array]) -> int:
+        """How many tokens stored ``arrays`` hold."""
+        return arrays["w_q"].shape[2]
 
     # -- what attention needs ----------------------------------------------------------------------
     @property
@@ -163,25 +168,31 @@ class AffineRotatedCodec:
 
 
 class AffineBlockKeyCodec(AffineRotatedCodec):
-    """Keys in blocks of ``block`` tokens, each rotated channel quantized along the block's tokens.
+    """Keys stored transposed: each rotated channel quantized along blocks of ``block`` tokens.
 
-    Same centring and rotation as `AffineRotatedCodec`, but the affine groups run along tokens (one scale
-    and bias per channel per block, KIVI-style) instead of along channels. Why: scoring then is
-    ``q @ K^T`` with ``K^T`` quantized along its output axis, i.e. ``mx.quantized_matmul(...,
-    transpose=False)``, which on CPU costs about a third of the ``transpose=True`` form once several
-    query heads share a KV head (GQA); see benchmarks/attention.py.
+    Same rotation as `AffineRotatedCodec`, but the affine groups run along tokens (one scale and bias per
+    channel per block, KIVI-style) and the arrays hold ``K^T``:
 
-    Storage per token is the same as the per-token codec with ``group_size=block`` (``d*bits/32`` words,
-    ``d/block`` scales and biases), and the arrays keep the token axis at 2 so a `TokenStore` holds them,
-    but a block's rows only make sense together: ``encode`` takes whole blocks (T a multiple of
-    ``block``; a cache keeps the remainder exact) and a cache must append, trim and delete whole blocks.
-    ``token_block`` tells a cache this multiple (1 for per-token codecs).
+        w_q ``(B, H, d, n*bits/32)`` uint32, scales / biases ``(B, H, d, n/block)``   (token axis LAST)
+
+    Why: scoring is then ``q @ K^T`` with ``K^T`` quantized along its output axis, one
+    ``mx.quantized_matmul(q Pi^T, w_q, transpose=False)`` per layer over the whole history, the fastest
+    quantized form on CPU once several query heads share a KV head (GQA; see benchmarks/attention.py).
+    Centring (default on) quantizes ``Pi (x - mu)``, which gives better codes at 2-3 bits, and then adds the
+    rotated mean ``Pi mu`` back into each channel's biases: the stored codes decode to ``Pi x`` directly, so
+    attention needs no ``q . mu`` correction (``mean_in_codes``).
+
+    A block's tokens only make sense together: ``encode`` takes whole blocks (T a multiple of ``block``),
+    and a cache appends, trims and deletes whole blocks (``token_block``; the remainder stays exact).
+    Arrays of consecutive blocks concatenate along the last axis (see `concat`).
 
     Args: as `AffineRotatedCodec`, with ``block`` (32, 64 or 128, dividing d; default 64, or d when d < 64)
     in place of ``group_size``.
     """
 
     kind = "affine_block"
+    token_axis = -1
+    mean_in_codes = True  # decode_rotated already includes Pi mu: attention must not add the mean again
 
     def __init__(self, d: int, bits: int, block: Optional[int] = None, **kwargs):
         super().__init__(d, bits, block, **kwargs)
@@ -191,44 +202,63 @@ class AffineBlockKeyCodec(AffineRotatedCodec):
     def token_block(self) -> int:
         return self.block
 
+    def n_tokens(self, arrays: Dict[str, mx.array]) -> int:
+        """How many tokens stored ``arrays`` hold."""
+        return arrays["scales"].shape[-1] * self.block
+
     def encode(self, x: mx.array) -> Dict[str, mx.array]:
-        """``(B, H, T, d)``, T a multiple of ``block`` -> arrays ``(B, H, T, ...)`` (block-major inside)."""
+        """``(B, H, T, d)``, T a multiple of ``block`` -> ``K^T`` arrays ``(B, H, d, ...)`` (see the class)."""
         check_float_heads("x", x, self.d)
-        B, H, T, d = x.shape
+        T = x.shape[2]
         if T % self.block:
             raise ValueError(f"x must hold whole blocks: T={T} is not a multiple of block={self.block}")
-        nb = T // self.block
-        # (B, H, nb, block, d) -> (B, H, nb, d, block): each row is one channel over the block's tokens.
-        y = mx.swapaxes(self.rotate(x).reshape(B, H, nb, self.block, d), -1, -2)
-        w_q, scales, biases = mx.quantize(y, group_size=self.block, bits=self.bits)
-        # Reinterpret each block's (d, ...) rows as (block, ...) token rows: same bytes, token axis 2.
-        return {
-            "w_q": w_q.reshape(B, H, T, -1),
-            "scales": scales.astype(self.scale_dtype).reshape(B, H, T, -1),
-            "biases": biases.astype(self.scale_dtype).reshape(B, H, T, -1),
-        }
+        w_q, scales, biases = mx.quantize(mx.swapaxes(self.rotate(x), -1, -2), group_size=self.block, bits=self.bits)
+        if self.mean is not None:
+            # Fold Pi mu back in: per channel c, every token of the group shares the offset (Pi mu)_c.
+            biases = biases + self.rotation.apply(self.mean)[None, :, :, None]  # (1, H, d, 1)
+        return {"w_q": w_q, "scales": scales.astype(self.scale_dtype), "biases": biases.astype(self.scale_dtype)}
 
-    def blocks(self, arrays: Dict[str, mx.array]):
-        """Stored arrays for n tokens -> ``(w_q (B,H,nb,d,block*bits/32), scales, biases (B,H,nb,d,1))``."""
+    def _check(self, arrays: Dict[str, mx.array]) -> None:
         missing = [f for f in FIELDS if f not in arrays]
         if missing:
             raise ValueError(f"arrays must hold {FIELDS}, missing {missing}")
-        B, H, n, _ = arrays["w_q"].shape
-        if n % self.block:
-            raise ValueError(f"stored token count {n} is not a multiple of block={self.block}")
-        nb = n // self.block
-        return (
-            arrays["w_q"].reshape(B, H, nb, self.d, -1),
-            arrays["scales"].reshape(B, H, nb, self.d, 1),
-            arrays["biases"].reshape(B, H, nb, self.d, 1),
-        )
+        w = arrays["w_q"]
+        if w.ndim != 4 or w.shape[2] != self.d or w.shape[3] * 32 != self.n_tokens(arrays) * self.bits:
+            raise ValueError(
+                f"arrays do not hold whole blocks of block={self.block} tokens in the (B, H, d={self.d}, ...) "
+                f"layout: w_q {tuple(w.shape)}, scales {tuple(arrays['scales'].shape)}"
+            )
 
     def decode_rotated(self, arrays: Dict[str, mx.array]) -> mx.array:
-        w_q, scales, biases = self.blocks(arrays)
-        y = mx.dequantize(w_q, scales.astype(mx.float32), biases.astype(mx.float32),
-                          group_size=self.block, bits=self.bits)  # (B, H, nb, d, block)
-        B, H, nb = y.shape[:3]
-        return mx.swapaxes(y, -1, -2).reshape(B, H, nb * self.block, self.d)
+        """Stored arrays -> float32 ``(B, H, n, d)`` reconstruction of ``Pi x`` (the mean is in the biases)."""
+        self._check(arrays)
+        y = mx.dequantize(arrays["w_q"], arrays["scales"].astype(mx.float32), arrays["biases"].astype(mx.float32),
+                          group_size=self.block, bits=self.bits)  # (B, H, d, n)
+        return mx.swapaxes(y, -1, -2)
+
+    def slice_tokens(self, arrays: Dict[str, mx.array], start: int, stop: int) -> Dict[str, mx.array]:
+        """Tokens ``[start, stop)`` (block-aligned) of stored arrays."""
+        if start % self.block or stop % self.block:
+            raise ValueError(f"token range [{start}, {stop}) must be aligned to block={self.block}")
+        wpb = self.block * self.bits // 32  # uint32 words per block and channel
+        b0, b1 = start // self.block, stop // self.block
+        return {
+            "w_q": arrays["w_q"][..., b0 * wpb : b1 * wpb],
+            "scales": arrays["scales"][..., b0:b1],
+            "biases": arrays["biases"][..., b0:b1],
+        }
+
+    def decode(self, arrays: Dict[str, mx.array], dtype) -> mx.array:
+        """Inverse of :meth:`encode`: ``(B, H, n, d)`` in ``dtype``."""
+        return self.rotation.invert(self.decode_rotated(arrays)).astype(dtype)
+
+    @staticmethod
+    def concat(chunks) -> Dict[str, mx.array]:
+        """Arrays of consecutive token ranges -> one set of arrays (along the token axis, the last)."""
+        chunks = [c for c in chunks if c]
+        if len(chunks) == 1:
+            return dict(chunks[0])
+        return {f: mx.concatenate([c[f] for c in chunks], axis=-1) for f in FIELDS}
 
     def __repr__(self):
         return super().__repr__().replace("AffineRotatedCodec(", "AffineBlockKeyCodec(").replace("group_size", "block")

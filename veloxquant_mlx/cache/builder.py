@@ -94,8 +94,9 @@ class KVCacheBuilder:
         kind: ``"packed"`` (keys and values compressed; sliding-window layers supported) or ``"rvq"``
             (the seed's `TurboQuantRVQKVCache`: RVQ keys, float16 values; full-attention layers only).
         k_bits / v_bits: key / value bits, one int or one per layer (a list as long as ``model.layers``).
-        sink, recent, trim_headroom, center_keys, center_values, value_outliers, codec ("lloyd_max" or
-            "affine"), group_size: see `TurboQuantPackedCache`.
+        sink, recent, trim_headroom, center_keys, center_values, value_outliers, codec ("lloyd_max",
+            "affine" or "affine_block"), group_size: see `TurboQuantPackedCache`. Sliding-window layers get
+            ``codec="affine"`` where ``"affine_block"`` is asked for (a window evicts single tokens).
 
     `build` enables placeholder fetches (attention on codes inside ``use_packed_attention()``) only for
     models whose attention the hook can route (`attention_is_routable`); other models' caches decode.
@@ -199,6 +200,8 @@ class KVCacheBuilder:
                 )
             # Only tokens the window keeps forever (its ``keep`` prefix) can be exact sink tokens.
             options = dict(self.cache_options, sink=min(self.cache_options["sink"], cache.keep))
+            if options["codec"] == "affine_block":  # block keys cannot be evicted a token at a time
+                options["codec"] = "affine"
             return TurboQuantRotatingPackedCache(
                 config, max_size=cache.max_size, keep=cache.keep, fetch_placeholders=placeholders, **options
             )

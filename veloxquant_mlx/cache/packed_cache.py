@@ -25,8 +25,9 @@ Attention on codes: inside ``veloxquant_mlx.attention.use_packed_attention()`` m
 `attend_packed`, which scores and aggregates straight from the codes (no dequantized history); then
 `update_and_fetch` returns zero-cost placeholders instead of decoding (``fetch_placeholders=True``; the
 builder turns it off for models whose attention bypasses mlx_lm's SDPA function). ``codec="affine"``
-stores rotated MLX affine codes (`AffineRotatedCodec`: fast quantized-matmul attention) instead of
-Lloyd-Max codes.
+stores rotated MLX affine codes (`AffineRotatedCodec`: quantized-matmul attention) instead of Lloyd-Max
+codes; ``codec="affine_block"`` stores the keys transposed, per channel over blocks of tokens
+(`AffineBlockKeyCodec`, held in ``key_columns``), the layout whose decode attention is fastest on CPU.
 
 ``state`` holds everything needed to rebuild (a JSON ``meta`` string with the config, options and offset,
 plus the arrays), because mlx_lm >= 0.32 calls ``from_state(state)`` only.
@@ -43,13 +44,14 @@ from mlx_lm.models.base import create_causal_mask
 
 from veloxquant_mlx.attention import hook as _hook
 from veloxquant_mlx.attention.packed_sdpa import packed_attention_for_cache
-from veloxquant_mlx.cache._affine_codec import AFFINE_BITS, AffineRotatedCodec
+from veloxquant_mlx.cache._affine_codec import AFFINE_BITS, AffineBlockKeyCodec, AffineRotatedCodec
 from veloxquant_mlx.cache._kv_codec import ChannelCodec, check_float_heads
 from veloxquant_mlx.cache._token_store import TokenStore
 from veloxquant_mlx.cache.base import SERVABLE_METHODS
 
 _FORMAT = 1
-CODECS = ("lloyd_max", "affine")
+CODECS = ("lloyd_max", "affine", "affine_block")
+_AFFINE_CODECS = ("affine", "affine_block")
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
@@ -101,10 +103,15 @@ class TurboQuantPackedCache(_BaseCache):
             (stored, added back on fetch, so the fetched tensors approximate the inputs themselves).
         value_outliers: give the values outlier channels too (keys carry most of the damage, so by
             default only keys spend bits on them).
-        codec: ``"lloyd_max"`` (default: ``ChannelCodec``, the config's quantizer) or ``"affine"``
-            (``AffineRotatedCodec``: seeded rotation + ``mx.quantize``; bits must be in 2,3,4,5,6,8; no outlier
-            channels; ``config.rotation`` and ``seed`` are used, ``method`` is not).
-        group_size: affine group size (None: 64, or head_dim when smaller); ``codec="affine"`` only.
+        codec: ``"lloyd_max"`` (default: ``ChannelCodec``, the config's quantizer), ``"affine"``
+            (``AffineRotatedCodec``: seeded rotation + ``mx.quantize`` per token; bits must be in 2,3,4,5,6,8; no
+            outlier channels; ``config.rotation`` and ``seed`` are used, ``method`` is not) or ``"affine_block"``
+            (values as ``"affine"``; keys as ``AffineBlockKeyCodec``: rotated ``K^T`` quantized per channel over
+            blocks of ``group_size`` tokens — the fastest attention on codes on CPU. Keys are coded a whole
+            block at a time, so up to ``block - 1`` tokens beyond ``recent + trim_headroom`` wait exact in the
+            tail; not for the rotating cache).
+        group_size: affine group size (None: 64, or head_dim when smaller); for ``"affine_block"`` also the
+            key block length in tokens. Affine codecs only.
         fetch_placeholders: while the packed-attention hook is active, return placeholders from
             `update_and_fetch` (attention reads the codes through `attend_packed`). Set False for a model
             whose attention does not go through mlx_lm's ``scaled_dot_product_attention``.
@@ -129,15 +136,17 @@ class TurboQuantPackedCache(_BaseCache):
         _check_config(config)
         if codec not in CODECS:
             raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
-        if codec == "affine":
+        if codec in _AFFINE_CODECS:
             for name, b in (("config.bit_width_inlier (k_bits)", config.bit_width_inlier),
                             ("config.v_bits", config.value_bits)):
                 if b not in AFFINE_BITS:
-                    raise ValueError(f"{name} must be one of {AFFINE_BITS} with codec='affine', got {b}")
+                    raise ValueError(f"{name} must be one of {AFFINE_BITS} with codec={codec!r}, got {b}")
             if config.n_outlier_channels or value_outliers:
-                raise ValueError("codec='affine' has no outlier channels: set n_outlier_channels=0 and value_outliers=False")
+                raise ValueError(
+                    f"codec={codec!r} has no outlier channels: set n_outlier_channels=0 and value_outliers=False"
+                )
         elif group_size is not None:
-            raise ValueError("group_size applies only to codec='affine'")
+            raise ValueError("group_size applies only to codec='affine' or 'affine_block'")
         if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int)):
             raise TypeError(f"group_size must be None or an int, got {type(group_size).__name__}")
         if not isinstance(fetch_placeholders, bool):
@@ -160,6 +169,9 @@ class TurboQuantPackedCache(_BaseCache):
         self.k_codec: Optional[ChannelCodec] = None
         self.v_codec: Optional[ChannelCodec] = None
         self.codes = TokenStore(self.step)
+        # codec="affine_block": keys as K^T codes (token axis last, exact size, grown a block at a time);
+        # ``codes`` then holds the values only.
+        self.key_columns: Dict[str, mx.array] = {}
         self.sink_store = TokenStore(max(1, self.sink))
         self.tail = TokenStore(max(16, self.recent + self.trim_headroom))
 
@@ -188,11 +200,11 @@ class TurboQuantPackedCache(_BaseCache):
     def _setup(self, k_dim: int, v_dim: int) -> None:
         """Build the codecs once the head dims are known (first update, or a restore)."""
         c = self.config
-        if self.codec == "affine":
+        if self.codec in _AFFINE_CODECS:
             # Keys and values get different seeds so their rotations are independent.
+            key_codec = AffineBlockKeyCodec if self.codec == "affine_block" else AffineRotatedCodec
             gs = self.group_size
-            self.k_codec = AffineRotatedCodec(k_dim, self.k_bits, gs, seed=c.seed, rotation=c.rotation,
-                                              center=self.center_keys)
+            self.k_codec = key_codec(k_dim, self.k_bits, gs, seed=c.seed, rotation=c.rotation, center=self.center_keys)
             self.v_codec = AffineRotatedCodec(v_dim, self.v_bits, gs, seed=c.seed + 1000, rotation=c.rotation,
                                               center=self.center_values)
             self.dims = (k_dim, v_dim)
@@ -267,7 +279,9 @@ class TurboQuantPackedCache(_BaseCache):
             self.sink_store.append({"k": keys[:, :, :n_sink], "v": values[:, :, :n_sink]})
         if T > n_sink:
             k_rest, v_rest = keys[:, :, n_sink:], values[:, :, n_sink:]
-            if self.recent == 0:
+            if self._block > 1:
+                self._append_blocked(k_rest, v_rest)
+            elif self.recent == 0:
                 self._code(k_rest, v_rest)
             else:
                 self.tail.append({"k": k_rest, "v": v_rest})
@@ -280,6 +294,25 @@ class TurboQuantPackedCache(_BaseCache):
                     self._code(old["k"], old["v"])
                     self.tail.delete(0, over)
         self.offset += T
+
+    @property
+    def _block(self) -> int:
+        """Tokens per coding unit: 1, or the key block of codec="affine_block"."""
+        return getattr(self.k_codec, "token_block", 1)
+
+    def _append_blocked(self, k: mx.array, v: mx.array) -> None:
+        """Block codecs: new tokens wait (exact) in the tail; whole blocks older than the exact window and the
+        trim headroom are coded and leave it. So the tail holds ``recent + trim_headroom`` to that plus
+        ``block - 1`` tokens, every one of them read exactly."""
+        self.tail.append({"k": k, "v": v})
+        blk = self._block
+        n_code = (self.tail.length - self.recent - self.trim_headroom) // blk * blk
+        if n_code > 0:
+            if not self._fitted:
+                self._fit(self.tail.view())  # every exact non-sink token held: more statistics, same cost
+            old = self.tail.view(0, n_code)
+            self._code(old["k"], old["v"])
+            self.tail.delete(0, n_code)
 
     def _check_batch(self, keys: mx.array) -> None:
         for store in (self.codes, self.sink_store, self.tail):
@@ -302,9 +335,29 @@ class TurboQuantPackedCache(_BaseCache):
     def _code(self, k: mx.array, v: mx.array) -> None:
         if not self._fitted:
             self._fit({"k": k, "v": v})
-        chunk = {f"k_{n}": a for n, a in self.k_codec.encode(k).items()}
-        chunk.update({f"v_{n}": a for n, a in self.v_codec.encode(v).items()})
+        chunk = {f"v_{n}": a for n, a in self.v_codec.encode(v).items()}
+        if self._block > 1:
+            # One concatenation per coded block range keeps K^T contiguous (what the scoring matmul wants)
+            # at an amortized cost of one copy of the key codes per block of tokens.
+            self.key_columns = AffineBlockKeyCodec.concat([self.key_columns, self.k_codec.encode(k)])
+        else:
+            chunk.update({f"k_{n}": a for n, a in self.k_codec.encode(k).items()})
         self.codes.append(chunk)
+
+    def coded_arrays(self):
+        """``(key arrays, value arrays)`` of the coded tokens, in their codecs' layouts (no copy)."""
+        c = self.codes.view()
+        v = {n[2:]: a for n, a in c.items() if n.startswith("v_")}
+        if self._block > 1:
+            return dict(self.key_columns), v
+        return {n[2:]: a for n, a in c.items() if n.startswith("k_")}, v
+
+    @property
+    def exact_tail_from(self) -> int:
+        """Index of the first tail token read exactly (older ones read as coded tokens would)."""
+        if self._block > 1:
+            return 0  # block codecs: the whole tail is exact until its blocks are coded
+        return max(self.tail.length - self.recent, 0)
 
     def _fetch(self, dtype):
         ks, vs = [], []
@@ -313,12 +366,12 @@ class TurboQuantPackedCache(_BaseCache):
             ks.append(s["k"].astype(dtype))
             vs.append(s["v"].astype(dtype))
         if self.codes.length:
-            c = self.codes.view()
-            ks.append(self.k_codec.decode({n[2:]: a for n, a in c.items() if n[0] == "k"}, dtype))
-            vs.append(self.v_codec.decode({n[2:]: a for n, a in c.items() if n[0] == "v"}, dtype))
+            k_arrays, v_arrays = self.coded_arrays()
+            ks.append(self.k_codec.decode(k_arrays, dtype))
+            vs.append(self.v_codec.decode(v_arrays, dtype))
         if self.tail.length:
             # Tail tokens older than the exact window read as they will once coded (a round trip).
-            n_old = max(self.tail.length - self.recent, 0)
+            n_old = self.exact_tail_from
             if n_old:
                 old = self.tail.view(0, n_old)
                 ks.append(self.k_codec.decode(self.k_codec.encode(old["k"]), dtype))
@@ -342,11 +395,36 @@ class TurboQuantPackedCache(_BaseCache):
     def trim(self, n: int) -> int:
         """Drop the ``n`` newest tokens (tail first, then codes, then sink); returns how many were dropped."""
         n = max(0, min(int(n), self.offset))
-        left = n
-        for store in (self.tail, self.codes, self.sink_store):
+        left = n - self.tail.trim(n)
+        if left and self.codes.length and self._block > 1:
+            left = self._trim_blocks(left)
+        for store in (self.codes, self.sink_store):
             left -= store.trim(left)
         self.offset -= n
         return n
+
+    def _trim_blocks(self, n: int) -> int:
+        """Drop the ``n`` newest coded tokens of a block codec (the tail is empty); returns what is left.
+
+        Whole blocks are cut; the surviving tokens of a cut block return to the tail as their decoded values
+        (they are coded again, with the same rotation, when the block refills).
+        """
+        blk, length = self._block, self.codes.length
+        drop = min(n, length)
+        cut = (length - drop) // blk * blk
+        survivors = length - drop - cut
+        if survivors:
+            dtype = next(iter(self.tail.buffers.values())).dtype if self.tail.buffers else mx.float32
+            k_arrays, v_arrays = self.coded_arrays()
+            k = self.k_codec.decode(self.k_codec.slice_tokens(k_arrays, cut, cut + blk), dtype)
+            v = self.v_codec.decode({f: a[:, :, cut : cut + blk] for f, a in v_arrays.items()}, dtype)
+            restored = {"k": k[:, :, :survivors], "v": v[:, :, :survivors]}
+        kept = self.k_codec.slice_tokens(self.key_columns, 0, cut) if cut else {}
+        self.key_columns = {f: mx.contiguous(a) for f, a in kept.items()}  # scoring wants K^T contiguous
+        self.codes.trim(length - cut)
+        if survivors:
+            self.tail.append(restored)
+        return n - drop
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
         return create_attention_mask(N, offset=self.offset, return_array=return_array, window_size=window_size)
@@ -370,13 +448,17 @@ class TurboQuantPackedCache(_BaseCache):
     @property
     def nbytes(self) -> int:
         """Bytes of every array this cache holds (codes, norms, exact windows, fitted parameters)."""
-        stores = self.codes.nbytes + self.sink_store.nbytes + self.tail.nbytes
+        stores = self.codes.nbytes + self.sink_store.nbytes + self.tail.nbytes + self._key_column_bytes
         return stores + sum(a.nbytes for a in self._fitted_arrays().values())
+
+    @property
+    def _key_column_bytes(self) -> int:
+        return sum(a.nbytes for a in self.key_columns.values())
 
     @property
     def live_nbytes(self) -> int:
         """Like `nbytes` but without the spare capacity of the step-grown buffers (= a saved file's arrays)."""
-        stores = self.codes.live_nbytes + self.sink_store.live_nbytes + self.tail.live_nbytes
+        stores = self.codes.live_nbytes + self.sink_store.live_nbytes + self.tail.live_nbytes + self._key_column_bytes
         return stores + sum(a.nbytes for a in self._fitted_arrays().values())
 
     def bits_per_coordinate(self) -> float:
@@ -391,6 +473,7 @@ class TurboQuantPackedCache(_BaseCache):
     def __deepcopy__(self, memo):
         new = copy.copy(self)
         new.codes, new.sink_store, new.tail = self.codes.copy(), self.sink_store.copy(), self.tail.copy()
+        new.key_columns = dict(self.key_columns)  # never written in place: sharing the arrays is safe
         # Codecs share their (stateless) quantizers; a shallow copy keeps a later fit() from leaking.
         new.k_codec, new.v_codec = copy.copy(self.k_codec), copy.copy(self.v_codec)
         return new
@@ -409,6 +492,7 @@ class TurboQuantPackedCache(_BaseCache):
         out: Dict[str, Any] = {"meta": json.dumps(meta, sort_keys=True)}
         for prefix, store in (("c_", self.codes), ("s_", self.sink_store), ("t_", self.tail)):
             out.update({prefix + n: a for n, a in store.live_arrays().items()})
+        out.update({"kc_" + n: a for n, a in self.key_columns.items()})
         out.update(self._fitted_arrays())
         return out
 
@@ -441,6 +525,7 @@ class TurboQuantPackedCache(_BaseCache):
             step = getattr(cache, attr).step
             arrays = {n[len(prefix) :]: a for n, a in state.items() if n.startswith(prefix)}
             setattr(cache, attr, TokenStore.from_arrays(arrays, step))
+        cache.key_columns = {n[3:]: a for n, a in state.items() if n.startswith("kc_")}
         cache.offset = int(meta["offset"])
         return cache
 
@@ -457,6 +542,11 @@ class TurboQuantRotatingPackedCache(TurboQuantPackedCache):
 
     def __init__(self, config, max_size: int, keep: int = 0, **options):
         super().__init__(config, **options)
+        if self.codec == "affine_block":
+            raise ValueError(
+                "codec='affine_block' codes keys in blocks of tokens, which a sliding window cannot evict one at a "
+                "time; use codec='affine' for RotatingKVCache layers (make_prompt_cache does so itself)"
+            )
         self.max_size = _check_count("max_size", max_size, 1)
         self.keep = _check_count("keep", keep)
         if self.keep > self.max_size:
