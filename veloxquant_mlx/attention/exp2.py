@@ -4,7 +4,8 @@ Why: on the Linux CPU build ``mx.exp`` runs near 20 ns per float32 element (scal
 softmax of a 4k-token history costs about as much as both attention matmuls together. Softmax only ever
 needs ``exp(s - max) <= 1``; with scores kept in log2 units (the query pre-multiplied by ``log2(e)``)
 that is ``2**t`` with ``t <= 0``, which splits into an exponent written straight into the float's bits
-and a degree-4 polynomial for the fraction: about 2x faster than ``mx.exp`` there, on any backend.
+and a degree-4 polynomial for the fraction. Measured here on (1, 3, 3, 4096) scores: plain ops 2.8-4x faster than
+``mx.exp``, fused by ``mx.compile`` about 8x (not measured on GPUs).
 
 Accuracy: the polynomial is a relative least-squares fit of ``2**f`` on ``[-1, 0]``; its relative error is
 below 3e-6 (float32 rounding of ``t`` itself dominates for ``|t| > 30``), far inside the 1e-3 parity the

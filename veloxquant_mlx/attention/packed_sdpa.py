@@ -23,7 +23,7 @@ the weights of a part sum to ``l`` so ``l mu`` is added once to the ``(.., d)`` 
 
 All parts are scored into one ``(B, Hkv, R*L, N)`` tensor (in log2 units: the query carries
 ``scale / ln 2``) and share one softmax, whose exponential is `exp2_nonpositive` (plain elementwise ops,
-about twice as fast as ``mx.exp`` on CPU); each part then aggregates its own slice of the weights. Optional
+several times cheaper than ``mx.exp`` on CPU); each part then aggregates its own slice of the weights. Optional
 per-head attention-sink logits join the denominator. Softmax math is float32.
 
 On CPU the quantized matmuls cost grows with the query rows per KV head (``R*L``), so for prefill-sized
