@@ -26,14 +26,22 @@ class CLIError(Exception):
 
 
 # ----------------------------------------------------------------------------- argument helpers
-def _positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
-    return v
+def _positive(convert, what: str):
+    """An argparse type: ``convert(s)`` that must be > 0, else an error naming ``what`` was expected."""
+    def parse(s: str):
+        try:
+            v = convert(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {s!r}")
+        if v <= 0:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {s!r}")
+        return v
+
+    return parse
+
+
+_positive_int = _positive(int, "a positive integer")
+_positive_float = _positive(float, "a positive number")
 
 
 def _int_list(s: str) -> List[int]:
@@ -60,16 +68,6 @@ def _bits(s: str) -> float:
         raise argparse.ArgumentTypeError(f"bits must be a number in (0, {MAX_BITS}], got {s!r}")
     if not 0 < v <= MAX_BITS:
         raise argparse.ArgumentTypeError(f"bits out of range: {s} (allowed: 0 < bits <= {MAX_BITS})")
-    return v
-
-
-def _positive_float(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {s!r}")
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {s!r}")
     return v
 
 

@@ -88,9 +88,8 @@ class AffineRotatedCodec:
         self.rotation = make_rotation(d, seed, rotation)
         self.mean: Optional[mx.array] = None  # (H, d) float32
 
-    # Tokens are coded independently: a cache may code any number at a time; token axis 2.
+    # Tokens are coded independently: a cache may code any number at a time.
     token_block = 1
-    token_axis = 2
 
     def n_tokens(self, arrays: Dict[str, mx.array]) -> int:
         """How many tokens stored ``arrays`` hold."""
@@ -191,7 +190,6 @@ class AffineBlockKeyCodec(AffineRotatedCodec):
     """
 
     kind = "affine_block"
-    token_axis = -1
     mean_in_codes = True  # decode_rotated already includes Pi mu: attention must not add the mean again
 
     def __init__(self, d: int, bits: int, block: Optional[int] = None, **kwargs):
