@@ -12,7 +12,8 @@ minimum is the least disturbed run when other processes share the cores):
   float16 scales) for keys and values; ``ours_aff4_f32s``: float32 scales;
 - ``ours_blk{4,2}``: keys as `AffineBlockKeyCodec` (rotated ``K^T`` quantized per channel over 64-token
   blocks: one transpose=False quantized matmul scores the whole history), values `AffineRotatedCodec`, same
-  bits; ``ours_blk4v2``: 4-bit keys, 2-bit values; ``ours_blk4_win``: ``ours_blk4`` plus an exact window
+  bits; ``ours_blk4v2``: 4-bit keys, 2-bit values; ``ours_blk8v4`` / ``ours_blk8``: 8-bit keys, 4-bit / 8-bit
+  values (MLX's CPU quantized matmul is faster on byte-aligned codes); ``ours_blk4_win``: ``ours_blk4`` plus an exact window
   (4 sink + 128 recent tokens) in the same softmax;
 - ``ours_lloyd4``: the Lloyd-Max `ChannelCodec` layout (turboquant_mse, 4 bits): decodes rotated codes
   (seconds per call at 32k, so only up to ``--lloyd-max-n``, default 16k).
@@ -111,6 +112,8 @@ def build_candidates(Hq: int, Hkv: int, d: int, n: int, seed: int, skip_f16_abov
         ours(f"ours_blk{bits}", AffineBlockKeyCodec(d, bits, seed=1), AffineRotatedCodec(d, bits, seed=2),
              with_compiled=compiled and bits == 4)
     ours("ours_blk4v2", AffineBlockKeyCodec(d, 4, seed=1), AffineRotatedCodec(d, 2, seed=2))
+    ours("ours_blk8v4", AffineBlockKeyCodec(d, 8, seed=1), AffineRotatedCodec(d, 4, seed=2))
+    ours("ours_blk8", AffineBlockKeyCodec(d, 8, seed=1), AffineRotatedCodec(d, 8, seed=2))
     ours("ours_blk4_win", AffineBlockKeyCodec(d, 4, seed=1), AffineRotatedCodec(d, 4, seed=2), window=True)
     if n <= lloyd_max_n:  # seconds per call at 32k: kept to a reference size by default
         ours("ours_lloyd4", ChannelCodec("turboquant_mse", d, 4, seed=1), ChannelCodec("turboquant_mse", d, 4, seed=2))

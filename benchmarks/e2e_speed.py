@@ -6,9 +6,15 @@ Configs (all in one process; decode repeats interleaved so machine load hits eve
 - ``mlx-q4``: mlx_lm ``QuantizedKVCache(group_size=64, bits=4)``;
 - ``tq-block4-hook``: ours, ``codec="affine_block"`` 4-bit K/V (keys as K^T codes in 64-token blocks,
   values per token), inside ``use_packed_attention()`` — the fast configuration;
+- ``tq-block84-hook`` / ``tq-block8-hook``: the same layout with 8-bit keys and 4-bit / 8-bit values (MLX's CPU
+  quantized matmul is faster on byte-aligned codes);
 - ``tq-affine4-hook``: ours, ``codec="affine"`` 4-bit K/V (keys per token), inside the hook;
 - ``tq-lm4-hook``: ours, Lloyd-Max 4-bit K/V, inside the hook;
-- ``tq-lm4``: ours, Lloyd-Max 4-bit K/V, no hook (history decoded on every fetch; not in the default list).
+- ``tq-lm4``: ours, Lloyd-Max 4-bit K/V, no hook (history decoded on every fetch; not in the default list);
+- any registered TurboQuant method name (``veloxquant methods``, e.g. ``tq-affine-k8v4``: 4 exact sink tokens),
+  built as the CLI builds it, inside the hook.
+
+The configs above use `make_prompt_cache` defaults (no exact sink tokens).
 
 Per config: clear MLX's buffer cache, reset the peak, make a fresh cache, prefill a ``--prompt``-token
 prompt in chunks of ``--chunk`` (timed once: prefill tok/s), decode ``--decode`` greedy tokens (timed),
@@ -39,9 +45,26 @@ import random
 import statistics
 import time
 
-CONFIGS = ("kv", "mlx-q4", "tq-block4-hook", "tq-affine4-hook", "tq-lm4-hook", "tq-lm4")
+CONFIGS = ("kv", "mlx-q4", "tq-block4-hook", "tq-block84-hook", "tq-block8-hook", "tq-affine4-hook", "tq-lm4-hook",
+           "tq-lm4")
 DEFAULT_CONFIGS = CONFIGS[:-1]
+# (codec, key bits, value bits) of our configs
+OURS = {
+    "tq-block4-hook": ("affine_block", 4, 4),
+    "tq-block84-hook": ("affine_block", 8, 4),
+    "tq-block8-hook": ("affine_block", 8, 8),
+    "tq-affine4-hook": ("affine", 4, 4),
+    "tq-lm4-hook": ("lloyd_max", 4, 4),
+    "tq-lm4": ("lloyd_max", 4, 4),
+}
 LOOPS = ("step", "mlx_lm")
+
+
+def registered(name):
+    """The registered TurboQuant method called ``name``, or None."""
+    from veloxquant_mlx.eval.specs import compressed_specs
+
+    return next((s for s in compressed_specs() if s.name == name), None)
 
 
 def make_cache(name, model):
@@ -49,18 +72,23 @@ def make_cache(name, model):
 
     import veloxquant_mlx as vq
 
+    spec = registered(name)
+    if spec is not None:
+        return spec.make_cache(model)
+
     if name == "kv":
         return [KVCache() for _ in model.layers]
     if name == "mlx-q4":
         return [QuantizedKVCache(group_size=64, bits=4) for _ in model.layers]
-    codec = {"tq-block4-hook": "affine_block", "tq-affine4-hook": "affine"}.get(name, "lloyd_max")
-    return vq.make_prompt_cache(model, k_bits=4, v_bits=4, codec=codec)
+    codec, k_bits, v_bits = OURS[name]
+    return vq.make_prompt_cache(model, k_bits=k_bits, v_bits=v_bits, codec=codec)
 
 
 def context_for(name):
     from veloxquant_mlx.attention import use_packed_attention
 
-    return use_packed_attention() if name.endswith("-hook") else contextlib.nullcontext()
+    hooked = name.endswith("-hook") or registered(name) is not None
+    return use_packed_attention() if hooked else contextlib.nullcontext()
 
 
 def prefill(model, cache, prompt, chunk):
@@ -140,9 +168,10 @@ def main(argv=None):
     args = ap.parse_args(argv)
     configs = [c for c in args.configs.split(",") if c]
     loops = [c for c in args.loops.split(",") if c]
-    bad = sorted(set(configs) - set(CONFIGS)) + sorted(set(loops) - set(LOOPS))
+    bad = sorted(c for c in configs if c not in CONFIGS and registered(c) is None) + sorted(set(loops) - set(LOOPS))
     if bad:
-        raise ValueError(f"--configs must name entries of {CONFIGS} and --loops of {LOOPS}, got {bad}")
+        raise ValueError(f"--configs must name entries of {CONFIGS} or registered TurboQuant methods, and --loops "
+                         f"entries of {LOOPS}; got {bad}")
     if "kv" not in configs:
         raise ValueError("--configs must include 'kv' (the ratios are relative to it)")
     for name in ("prompt", "chunk", "decode", "repeats"):

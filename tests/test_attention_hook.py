@@ -177,6 +177,17 @@ def test_sinks_and_arguments_forwarded():
         assert out is q and r.got[0] == 0.5 and r.got[1] == "causal" and r.got[2] is sinks
         base.scaled_dot_product_attention(q, None, None, r, 0.25, None)
         assert r.got == (0.25, None, None)
+        base.scaled_dot_product_attention(q, None, None, r, 0.75, mask=None, sinks=sinks)
+        assert r.got[0] == 0.75 and r.got[1] is None and r.got[2] is sinks
+        base.scaled_dot_product_attention(q, None, None, cache=r, mask="causal", scale=2.0)
+        assert r.got == (2.0, "causal", None)
+        # Calls the fast argument path does not recognise get the signature's own errors.
+        with pytest.raises(TypeError):
+            base.scaled_dot_product_attention(q, None, None, r, 0.5, None, scale=0.5)
+        with pytest.raises(TypeError):
+            base.scaled_dot_product_attention(q, None, None, r, scale=0.5, mask=None, window=3)
+        with pytest.raises(TypeError):
+            base.scaled_dot_product_attention(q, None, None, r, scale=0.5)
     assert hook.implements_protocol(r) and not hook.implements_protocol(KVCache()) and not hook.implements_protocol(None)
 
 

@@ -82,13 +82,14 @@ def test_exp2_nonpositive_matches_power_of_two():
     from veloxquant_mlx.attention.exp2 import exp2_nonpositive
 
     t = np.concatenate([-np.random.default_rng(0).uniform(0, 126, 200_000), [0.0, -0.5, -1.0, -64.0, -126.0]])
-    got = np.array(exp2_nonpositive(mx.array(t.astype(np.float32))))
     want = np.exp2(t.astype(np.float32).astype(np.float64))
-    assert got.dtype == np.float32
-    assert np.max(np.abs(got / want - 1)) < 3e-6
-    # Masked scores: far below the max, -inf, float32's most negative value -> exactly 0 (never NaN).
-    masked = np.array(exp2_nonpositive(mx.array([-127.0, -500.0, -np.inf, float(np.finfo(np.float32).min)], mx.float32)))
-    assert masked.tolist() == [0.0, 0.0, 0.0, 0.0]
+    for fused in (True, False):  # Estrin (fused kernel) and Horner (plain ops, prefill)
+        got = np.array(exp2_nonpositive(mx.array(t.astype(np.float32)), fused=fused))
+        assert got.dtype == np.float32
+        assert np.max(np.abs(got / want - 1)) < 3e-6
+        # Masked scores: far below the max, -inf, float32's most negative value -> exactly 0 (never NaN).
+        masked = mx.array([-127.0, -500.0, -np.inf, float(np.finfo(np.float32).min)], mx.float32)
+        assert np.array(exp2_nonpositive(masked, fused=fused)).tolist() == [0.0, 0.0, 0.0, 0.0]
 
 
 def test_exp2_fused_equals_plain_ops():
@@ -207,6 +208,30 @@ def test_property_any_split_equals_sdpa(B, Hkv, rep, L, n, n_sink, n_recent, bit
     out = packed_attention(q, parts, 0.25, "causal" if causal else None)
     ref = mx.fast.scaled_dot_product_attention(q, Kf, Vf, scale=0.25, mask=create_causal_mask(L, N - L) if causal else None)
     assert_close(out, ref)
+
+
+@pytest.mark.parametrize("second_centered", [False, True])
+def test_coded_parts_with_different_value_means_equal_sdpa(second_centered):
+    """Two coded parts whose value codecs differ (own mean, or none) take the per-part row-sum path."""
+    d, n = 32, 40
+    K, V = rand((1, 2, 2 * n + 5, d), 11, 0.5), rand((1, 2, 2 * n + 5, d), 12, 0.7)
+    kc = AffineRotatedCodec(d, 4, seed=1)
+    v1, v2 = AffineRotatedCodec(d, 4, seed=2), AffineRotatedCodec(d, 4, seed=3, center=second_centered)
+    kc.fit(K[:, :, :n])
+    v1.fit(V[:, :, :n])
+    v2.fit(V[:, :, n : 2 * n])
+    parts, ks, vs = [], [], []
+    for vc, sl in ((v1, slice(0, n)), (v2, slice(n, 2 * n))):
+        ka, va = kc.encode(K[:, :, sl]), vc.encode(V[:, :, sl])
+        parts.append(CodedPart(kc, ka, vc, va))
+        ks.append(kc.decode(ka, mx.float32))
+        vs.append(vc.decode(va, mx.float32))
+    parts.append(ExactPart(K[:, :, 2 * n :], V[:, :, 2 * n :]))
+    Kf = mx.concatenate(ks + [K[:, :, 2 * n :]], axis=2)
+    Vf = mx.concatenate(vs + [V[:, :, 2 * n :]], axis=2)
+    q = rand((1, 4, 1, d), 13)
+    out = packed_attention(q, parts, 0.3)
+    assert_close(out, mx.fast.scaled_dot_product_attention(q, Kf, Vf, scale=0.3, mask=None))
 
 
 # -- validation ---------------------------------------------------------------------------------

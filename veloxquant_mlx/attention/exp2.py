@@ -21,20 +21,31 @@ LOG2E = 1.4426950408889634  # 1 / ln 2: natural-log scores times this are log2 s
 _COEFFS = (0.999997337, 0.693028198, 0.239331802, 0.0530599936, 0.00676030841)
 
 
-def _exp2_parts(t: mx.array):
-    """The elementwise body: ``(2**f polynomial, float bits of 2**i as int32)`` for ``t``."""
+def _exp2_parts(t: mx.array, estrin: bool = True):
+    """The elementwise body: ``(2**f polynomial, float bits of 2**i as int32)`` for ``t``.
+
+    ``estrin``: evaluate the polynomial by Estrin's scheme (a shallower chain, so ``mx.compile`` fuses it
+    into fewer kernels: MLX caps a fused kernel's depth; decode-sized scores, 9 x 4100 floats, ran 156 -> 90 us
+    fused) rather than Horner's (fewer temporaries alive at once as plain ops: Estrin's raised the
+    SmolLM2 4096-token prefill peak from 617.7 to 648.7 MiB, benchmarks/prefill_peak.py).
+    """
     t = mx.maximum(t, -127.0)
     i = t.astype(mx.int32)  # truncation toward zero: i >= t, so f = t - i is in (-1, 0]
     f = t - i
-    p = _COEFFS[4]
-    for c in _COEFFS[3::-1]:
-        p = p * f + c
+    if estrin:
+        c0, c1, c2, c3, c4 = _COEFFS
+        f2 = f * f
+        p = (c0 + c1 * f) + f2 * ((c2 + c3 * f) + c4 * f2)
+    else:
+        p = _COEFFS[4]
+        for c in _COEFFS[3::-1]:
+            p = p * f + c
     return p, (i + 127) << 23
 
 
 def exp2_nonpositive_reference(t: mx.array) -> mx.array:
-    """`exp2_nonpositive` as plain, uncompiled ops (the reference the fused version is tested against)."""
-    p, bits = _exp2_parts(t)
+    """The fused `exp2_nonpositive` as plain, uncompiled ops (the reference it is tested against)."""
+    p, bits = _exp2_parts(t, estrin=True)
     return p * bits.view(mx.float32)
 
 
@@ -42,7 +53,7 @@ _fused = None  # mx.compile'd _exp2_parts once it has been checked to run here; 
 
 
 def _fused_parts():
-    """`_exp2_parts` fused by ``mx.compile`` (one kernel instead of ~14 ops; 1.5-1.8x faster on CPU), or None.
+    """`_exp2_parts` (Estrin) fused by ``mx.compile`` (a few kernels instead of ~14 ops), or None.
 
     MLX compiles CPU kernels with the system C++ compiler at run time; where that fails, the plain ops
     are used. Checked once per process on a tiny input.
@@ -66,10 +77,14 @@ def exp2_nonpositive(t: mx.array, fused: bool = True) -> mx.array:
 
     ``t = i + f`` with ``i = trunc(t)`` (an int in [-127, 0]) and ``f`` in ``(-1, 0]``; ``2**i`` is built as
     the float whose exponent field is ``i + 127`` (0 for ``i = -127``, i.e. exactly zero), ``2**f`` by the
-    polynomial. Same shape and dtype (float32) as ``t``. ``fused=False`` uses the plain ops even where the
-    fused kernel is available: same values; prefill uses it because, with many query blocks in one graph,
-    the fused kernel's buffers raised the peak (SmolLM2, 4096 tokens: 643.0 vs 618.0 MiB, benchmarks/prefill_peak.py).
+    polynomial. Same shape and dtype (float32) as ``t``. ``fused=False`` uses plain ops with Horner's scheme
+    even where the fused kernel is available (same accuracy, values may differ in the last bit); prefill uses
+    it because, with many query blocks in one graph, the fused kernel's buffers raised the peak (SmolLM2, 4096
+    tokens: 643.0 vs 618.0 MiB, benchmarks/prefill_peak.py).
     """
-    kernel = _fused_parts() if fused else None
-    p, bits = kernel(t) if kernel is not None else _exp2_parts(t)
+    if not fused:
+        p, bits = _exp2_parts(t, estrin=False)
+    else:
+        kernel = _fused_parts()
+        p, bits = kernel(t) if kernel is not None else _exp2_parts(t, estrin=True)
     return p * bits.view(mx.float32)

@@ -249,15 +249,15 @@ def coded_scores(
     if _is_affine(codec):
         q_rot = codec.rotation.apply(q)
         s = mx.quantized_matmul(
-            q_rot, arrays["w_q"], _f32(arrays["scales"]), _f32(arrays["biases"]),
+            q_rot, arrays["w_q"], arrays["scales"], arrays["biases"],
             transpose=True, group_size=codec.group_size, bits=codec.bits,
         )
         return _f32(s), shift
     if _is_block(codec):
         # K^T quantized along tokens: q @ K^T is x @ W with W = K^T, the fast (transpose=False) form.
         s = mx.quantized_matmul(
-            codec.rotation.apply(q), arrays["w_q"], _f32(arrays["scales"]),
-            _f32(arrays["biases"]), transpose=False, group_size=codec.block, bits=codec.bits,
+            codec.rotation.apply(q), arrays["w_q"], arrays["scales"], arrays["biases"],
+            transpose=False, group_size=codec.block, bits=codec.bits,
         )  # (B, H, M, n)
         return s, shift
     perm, _ = _channel_perm(codec)
@@ -276,11 +276,12 @@ def coded_values(
 ) -> mx.array:
     """``sum_j p_j v_j`` for weights ``p`` ``(B, Hkv, M, n)`` (row sums ``l`` ``(B, Hkv, M, 1)``): ``(B, Hkv, M, dv)``.
 
-    Aggregates in the rotated domain and rotates the ``(.., dv)`` result back once; adds ``l * mu``.
+    Aggregates in the rotated domain and rotates the ``(.., dv)`` result back once; adds ``l * mu`` (``l`` None:
+    the caller adds the mean term itself).
     """
     if _is_affine(codec) and _packed_ok("values", p.shape[2], packed_rows):
         o_rot = mx.quantized_matmul(
-            p, arrays["w_q"], _f32(arrays["scales"]), _f32(arrays["biases"]),
+            p, arrays["w_q"], arrays["scales"], arrays["biases"],
             transpose=False, group_size=codec.group_size, bits=codec.bits,
         )
         o = codec.rotation.invert(_f32(o_rot))
@@ -297,7 +298,7 @@ def coded_values(
         if inv_perm is not None:
             o = _permute(o, inv_perm)
     mu = _mean(codec)
-    if mu is not None:
+    if mu is not None and l is not None:
         o = o + l * mu[None, :, None, :]
     return o
 
@@ -332,6 +333,14 @@ def part_values(e: mx.array, l_part: Optional[mx.array], part: Part, packed_rows
 
 def _needs_row_sum(part: Part) -> bool:
     return isinstance(part, CodedPart) and _mean(part.v_codec) is not None
+
+
+def _shared_value_mean(parts: Sequence[Part]) -> Optional[mx.array]:
+    """The value mean ``(H, dv)`` float32 when every coded part adds back one and the same (one codec), else None."""
+    codecs = {id(p.v_codec): p.v_codec for p in parts if isinstance(p, CodedPart)}
+    if len(codecs) != 1:
+        return None
+    return _mean(next(iter(codecs.values())))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -434,10 +443,25 @@ def packed_attention(
         m = mx.maximum(m, NEG)  # finite even when a row is fully masked
     e = exp2_nonpositive(s - m, fused=L == 1)  # fused kernel at decode only (see exp2_nonpositive)
     l = mx.sum(e, axis=-1, keepdims=True)
-    # Per-part row sums only where a centred value codec needs them; the largest part's is l - the rest.
     bounds = [0]
     for p in parts:
         bounds.append(bounds[-1] + p.length)
+    # Centred coded values read Pi^T y + mu. With one shared mu, add it once with the total weight l and
+    # take it off the exact parts' values instead (sum_coded e mu = l mu - sum_exact e mu): no per-part
+    # row sums, 4-6 fewer ops per layer at decode.
+    mu = _shared_value_mean(parts)
+    if mu is not None:
+        mu = mu[None, :, None, :]  # (1, Hkv, 1, dv)
+        o = None
+        for i, p in enumerate(parts):
+            e_i = e if len(parts) == 1 else e[..., bounds[i] : bounds[i + 1]]
+            if isinstance(p, ExactPart):
+                o_i = e_i @ (_f32(p.values) - mu)
+            else:
+                o_i = coded_values(e_i, None, p.v_codec, p.v_arrays, packed_rows)
+            o = o_i if o is None else o + o_i
+        return _finish(o + l * mu, l, m, sink_logits, B, Hq, L, queries.dtype)
+    # Otherwise per-part row sums where a centred value codec needs them; the largest part's is l - the rest.
     big = max(range(len(parts)), key=lambda i: parts[i].length)
     sums: Dict[int, mx.array] = {}
     if any(_needs_row_sum(p) for p in parts):
@@ -453,10 +477,15 @@ def packed_attention(
         e_i = e if len(parts) == 1 else e[..., bounds[i] : bounds[i + 1]]
         o_i = part_values(e_i, sums.get(i), p, packed_rows)
         o = o_i if o is None else o + o_i
+    return _finish(o, l, m, sink_logits, B, Hq, L, queries.dtype)
+
+
+def _finish(o, l, m, sink_logits, B: int, Hq: int, L: int, dtype) -> mx.array:
+    """Normalize the unnormalized output ``o`` ``(B, Hkv, R*L, dv)`` by ``l`` (plus sink logits) -> ``(B, Hq, L, dv)``."""
     if sink_logits is not None:
         l = l + exp2_nonpositive(sink_logits - m)
     out = (o / l).reshape(B, Hq, L, o.shape[-1])
-    return out if out.dtype == queries.dtype else out.astype(queries.dtype)
+    return out if out.dtype == dtype else out.astype(dtype)
 
 
 def _blocked_attention(queries, parts, scale, mask, sinks, window_size, packed_rows, N: int) -> mx.array:

@@ -207,6 +207,10 @@ class TurboQuantPackedCache(_BaseCache):
             self.k_codec = key_codec(k_dim, self.k_bits, gs, seed=c.seed, rotation=c.rotation, center=self.center_keys)
             self.v_codec = AffineRotatedCodec(v_dim, self.v_bits, gs, seed=c.seed + 1000, rotation=c.rotation,
                                               center=self.center_values)
+            if self.codec == "affine_block":
+                # Values arrive a whole key block at a time: growing by one block keeps the store exactly full,
+                # so attention reads whole contiguous arrays (no slice, no copy inside the quantized matmul).
+                self.codes.step = self.k_codec.token_block
             self.dims = (k_dim, v_dim)
             return
         common = dict(rotation=c.rotation, jl_dim=c.jl_dim, outlier_bits=c.outlier_bits)
