@@ -40,6 +40,7 @@ import argparse
 import contextlib
 import gc
 import json
+import math
 import os
 import random
 import statistics
@@ -145,6 +146,28 @@ def interleaved_steps(model, caches, first, n, rng):
     return times
 
 
+def paired_step_ratio(kv_steps, steps, n_boot=2000, seed=0):
+    """Decode speed vs ``kv`` from steps taken in turn: ``(geometric mean, 2.5 %, 97.5 %)`` of kv_time / time.
+
+    Step ``i`` of every config ran back to back (`interleaved_steps`), so pairing by index cancels the load
+    drift that both saw; the interval is a bootstrap over the pairs (seeded, reproducible).
+    """
+    logs = [math.log(a / b) for a, b in zip(kv_steps, steps)]
+    rng = random.Random(seed)
+    boots = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(n_boot))
+    lo, hi = boots[int(0.025 * n_boot)], boots[int(0.975 * n_boot) - 1]
+    return math.exp(statistics.fmean(logs)), math.exp(lo), math.exp(hi)
+
+
+def print_paired(rows):
+    kv = next(r for r in rows if r["config"] == "kv")
+    print("decode[step] paired with kv step by step: geometric mean of kv_time / time, 95 % bootstrap interval")
+    for r in rows:
+        if r["config"] != "kv" and r.get("step_seconds"):
+            g, lo, hi = paired_step_ratio(kv["step_seconds"], r["step_seconds"])
+            print(f"  {r['config']:16s} {g:.3f}x  [{lo:.3f}, {hi:.3f}]  ({len(r['step_seconds'])} pairs)")
+
+
 def main(argv=None):
     from veloxquant_mlx.blas import ensure_openblas, loaded_blas as blas_name
 
@@ -165,7 +188,12 @@ def main(argv=None):
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"comma list of {CONFIGS}")
     ap.add_argument("--loops", default=",".join(LOOPS), help=f"comma list of {LOOPS}")
     ap.add_argument("--out", default="results/e2e_speed.json")
+    ap.add_argument("--summarize", metavar="JSON", help="print the paired step ratios of a saved run and exit")
     args = ap.parse_args(argv)
+    if args.summarize:
+        with open(args.summarize) as f:
+            print_paired(json.load(f)["rows"])
+        return
     configs = [c for c in args.configs.split(",") if c]
     loops = [c for c in args.loops.split(",") if c]
     bad = sorted(c for c in configs if c not in CONFIGS and registered(c) is None) + sorted(set(loops) - set(LOOPS))
@@ -253,6 +281,8 @@ def main(argv=None):
         for lp in loops:
             line += f" {row[f'decode_{lp}_tok_s']:14.2f} {row[f'decode_{lp}_vs_kv']:6.2f}"
         print(line + f" {row['peak_mib']:9.1f} {row['cache_mib']:9.2f}")
+    if "step" in loops:
+        print_paired(rows)
     out = {"model": args.model, "prompt": args.prompt, "chunk": args.chunk, "decode": args.decode,
            "repeats": args.repeats, "loops": loops, "blas": blas_name(), "rows": rows}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

@@ -8,6 +8,7 @@ with or without the fused exponential. What it checks: the settings of
     python benchmarks/prefill_peak.py --codec affine_block --query-block 16
     python benchmarks/prefill_peak.py --codec affine_block --query-block 32
     python benchmarks/prefill_peak.py --codec affine_block --fused-prefill-exp
+    python benchmarks/prefill_peak.py --codec affine_block --estrin-prefill-exp
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ def main(argv=None):
     ap.add_argument("--codec", default="affine_block", choices=["lloyd_max", "affine", "affine_block"])
     ap.add_argument("--query-block", type=int, default=packed_sdpa.QUERY_BLOCK)
     ap.add_argument("--fused-prefill-exp", action="store_true", help="use the fused exponential in prefill too")
+    ap.add_argument("--estrin-prefill-exp", action="store_true",
+                    help="prefill's plain-op exponential by Estrin's scheme (the fused kernel's) instead of Horner's")
     args = ap.parse_args(argv)
     if args.query_block < 1 or args.prompt < 1:
         ap.error("--query-block and --prompt must be >= 1")
@@ -40,6 +43,11 @@ def main(argv=None):
     if args.fused_prefill_exp:
         plain = packed_sdpa.exp2_nonpositive
         packed_sdpa.exp2_nonpositive = lambda t, fused=True: plain(t, fused=True)
+    elif args.estrin_prefill_exp:
+        from veloxquant_mlx.attention.exp2 import exp2_nonpositive_reference  # Estrin, plain ops
+
+        plain = packed_sdpa.exp2_nonpositive
+        packed_sdpa.exp2_nonpositive = lambda t, fused=True: plain(t) if fused else exp2_nonpositive_reference(t)
 
     model, tok = load_model("smollm2")
     prompt = mx.array([corpus_tokens(tok)[: args.prompt]])
@@ -51,7 +59,7 @@ def main(argv=None):
         for s in range(0, prompt.shape[1], 256):
             mx.eval(model(prompt[:, s : s + 256], cache=cache)[:, -1])
     out = {"codec": args.codec, "prompt": args.prompt, "query_block": args.query_block,
-           "fused_prefill_exp": args.fused_prefill_exp, "peak_mib": mx.get_peak_memory() / 2**20}
+           "fused_prefill_exp": args.fused_prefill_exp, "estrin_prefill_exp": args.estrin_prefill_exp, "peak_mib": mx.get_peak_memory() / 2**20}
     print(json.dumps(out))
 
 
