@@ -215,10 +215,6 @@ def test_state_round_trip_and_deepcopy():
     a, b, c = cache.update_and_fetch(*nxt), restored.update_and_fetch(*nxt), twin.update_and_fetch(*nxt)
     for x in (b, c):
         assert mx.array_equal(a[0], x[0]) and mx.array_equal(a[1], x[1])
-    # Value codes grow a whole block at a time, so attention reads whole arrays (no slices): also after a restore.
-    for x in (cache, restored, twin):
-        assert x.codes.length == x.codes.capacity == 96
-        assert all(x.codes.view()[n] is a for n, a in x.codes.buffers.items())
     cache.update_and_fetch(*nxt)
     assert twin.offset == restored.offset == 10 and cache.offset == 11
     assert a[0].shape[2] == 10 and mx.array_equal(a[0][:, :, :9][:, :, :1], ref[0][:, :, :1])
