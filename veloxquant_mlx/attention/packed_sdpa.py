@@ -601,4 +601,13 @@ def packed_attention_for_cache(
     before SDPA). ``queries`` ``(B, Hq, L, d)`` -> ``(B, Hq, L, dv)``; ``mask`` as mlx_lm passes it;
     ``packed_rows`` as in `packed_attention`.
     """
-    return packed_attention(queries, cache_parts(cache), scale, mask, sinks=sinks, packed_rows=packed_rows)
+    parts = cache_parts(cache)
+    exact = [p for p in parts if isinstance(p, ExactPart)]
+    if len(exact) > 1 and queries.shape[2] == 1 and (mask is None or (isinstance(mask, str) and mask == "causal")):
+        # One decode query sees every key, so the order of the keys does not matter: the exact sink and
+        # tail become one part (two small concatenations instead of a second matmul pair and slices).
+        coded = [p for p in parts if isinstance(p, CodedPart)]
+        merged = ExactPart(mx.concatenate([p.keys for p in exact], axis=2),
+                           mx.concatenate([p.values for p in exact], axis=2))
+        parts, mask = coded + [merged], None
+    return packed_attention(queries, parts, scale, mask, sinks=sinks, packed_rows=packed_rows)
