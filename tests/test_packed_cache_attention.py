@@ -279,3 +279,13 @@ def test_long_chunks_attend_in_query_blocks_with_the_same_result(mask):
     blocked = packed_sdpa.coded_attention(*args, sink=sink, window_size=window)  # CPU default: blocked
     whole = packed_sdpa.coded_attention(*args, sink=sink, window_size=window, packed_rows=10**6)
     assert float(mx.abs(blocked - whole).max()) < 1e-5 * float(mx.abs(whole).max()) + 1e-6
+
+
+def test_attend_packed_rejects_bad_queries_clearly():
+    cache = TurboQuantPackedCache(KVCacheConfig(bit_width_inlier=4), codec="affine_block", sink=2)
+    k = mx.random.normal((1, 2, 100, 64))
+    cache.update_and_fetch(k, k)
+    with pytest.raises(TypeError, match="queries"):
+        cache.attend_packed([1.0, 2.0], 0.1, None)
+    with pytest.raises(ValueError, match="queries"):
+        cache.attend_packed(mx.zeros((2, 64)), 0.1, None)

@@ -448,23 +448,14 @@ def packed_attention(
         bounds.append(bounds[-1] + p.length)
     # Centred coded values read Pi^T y + mu. With one shared mu, add it once with the total weight l and
     # take it off the exact parts' values instead (sum_coded e mu = l mu - sum_exact e mu): no per-part
-    # row sums, 4-6 fewer ops per layer at decode.
+    # row sums, 4-6 fewer ops per layer at decode. Otherwise per-part row sums where a centred value codec
+    # needs them (the largest part's is l - the rest).
     mu = _shared_value_mean(parts)
+    sums: Dict[int, mx.array] = {}
     if mu is not None:
         mu = mu[None, :, None, :]  # (1, Hkv, 1, dv)
-        o = None
-        for i, p in enumerate(parts):
-            e_i = e if len(parts) == 1 else e[..., bounds[i] : bounds[i + 1]]
-            if isinstance(p, ExactPart):
-                o_i = e_i @ (_f32(p.values) - mu)
-            else:
-                o_i = coded_values(e_i, None, p.v_codec, p.v_arrays, packed_rows)
-            o = o_i if o is None else o + o_i
-        return _finish(o + l * mu, l, m, sink_logits, B, Hq, L, queries.dtype)
-    # Otherwise per-part row sums where a centred value codec needs them; the largest part's is l - the rest.
-    big = max(range(len(parts)), key=lambda i: parts[i].length)
-    sums: Dict[int, mx.array] = {}
-    if any(_needs_row_sum(p) for p in parts):
+    elif any(_needs_row_sum(p) for p in parts):
+        big = max(range(len(parts)), key=lambda i: parts[i].length)
         for i in range(len(parts)):
             if i != big:
                 sums[i] = mx.sum(e[..., bounds[i] : bounds[i + 1]], axis=-1, keepdims=True)
@@ -472,20 +463,18 @@ def packed_attention(
         for i, v in list(sums.items()):
             if i != big:
                 sums[big] = sums[big] - v
-    o = None
+    o = None if mu is None else l * mu
     for i, p in enumerate(parts):
         e_i = e if len(parts) == 1 else e[..., bounds[i] : bounds[i + 1]]
-        o_i = part_values(e_i, sums.get(i), p, packed_rows)
+        if mu is not None and isinstance(p, ExactPart):
+            o_i = e_i @ (_f32(p.values) - mu)
+        else:  # a coded part with mu shared gets l=None: its mean is in l * mu already
+            o_i = part_values(e_i, sums.get(i), p, packed_rows)
         o = o_i if o is None else o + o_i
-    return _finish(o, l, m, sink_logits, B, Hq, L, queries.dtype)
-
-
-def _finish(o, l, m, sink_logits, B: int, Hq: int, L: int, dtype) -> mx.array:
-    """Normalize the unnormalized output ``o`` ``(B, Hkv, R*L, dv)`` by ``l`` (plus sink logits) -> ``(B, Hq, L, dv)``."""
     if sink_logits is not None:
         l = l + exp2_nonpositive(sink_logits - m)
     out = (o / l).reshape(B, Hq, L, o.shape[-1])
-    return out if out.dtype == dtype else out.astype(dtype)
+    return out if out.dtype == queries.dtype else out.astype(queries.dtype)
 
 
 def _blocked_attention(queries, parts, scale, mask, sinks, window_size, packed_rows, N: int) -> mx.array:
@@ -601,6 +590,7 @@ def packed_attention_for_cache(
     before SDPA). ``queries`` ``(B, Hq, L, d)`` -> ``(B, Hq, L, dv)``; ``mask`` as mlx_lm passes it;
     ``packed_rows`` as in `packed_attention`.
     """
+    _check_queries(queries)  # clear errors before the shape is read below
     parts = cache_parts(cache)
     exact = [p for p in parts if isinstance(p, ExactPart)]
     if len(exact) > 1 and queries.shape[2] == 1 and (mask is None or (isinstance(mask, str) and mask == "causal")):
