@@ -15,7 +15,7 @@ minimum is the least disturbed run when other processes share the cores):
   bits; ``ours_blk4v2``: 4-bit keys, 2-bit values; ``ours_blk8v4`` / ``ours_blk8``: 8-bit keys, 4-bit / 8-bit
   values (MLX's CPU quantized matmul is faster on byte-aligned codes); ``ours_blk4_win``: ``ours_blk4`` plus an exact window
   (4 sink + 128 recent tokens) in the same softmax;
-- ``ours_lloyd4``: the Lloyd-Max `ChannelCodec` layout (turboquant_mse, 4 bits): decodes rotated codes
+- ``ours_lloyd4``: the Lloyd-Max `LloydMaxCodec` layout (turboquant_mse, 4 bits): decodes rotated codes
   (seconds per call at 32k, so only up to ``--lloyd-max-n``, default 16k).
 
 ``bytes/tok/head`` counts K and V together, per token per KV head, every stored array included (not the
@@ -47,8 +47,7 @@ def build_candidates(Hq: int, Hkv: int, d: int, n: int, seed: int, skip_f16_abov
     from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
     from veloxquant_mlx.attention.packed_sdpa import coded_attention
-    from veloxquant_mlx.cache._affine_codec import AffineBlockKeyCodec, AffineRotatedCodec
-    from veloxquant_mlx.cache._kv_codec import ChannelCodec
+    from veloxquant_mlx.codecs import AffineBlockKeyCodec, AffineRotatedCodec, LloydMaxCodec
 
     key = mx.random.key(seed)
     k1, k2, k3, k4 = mx.random.split(key, 4)
@@ -116,7 +115,7 @@ def build_candidates(Hq: int, Hkv: int, d: int, n: int, seed: int, skip_f16_abov
     ours("ours_blk8", AffineBlockKeyCodec(d, 8, seed=1), AffineRotatedCodec(d, 8, seed=2))
     ours("ours_blk4_win", AffineBlockKeyCodec(d, 4, seed=1), AffineRotatedCodec(d, 4, seed=2), window=True)
     if n <= lloyd_max_n:  # seconds per call at 32k: kept to a reference size by default
-        ours("ours_lloyd4", ChannelCodec("turboquant_mse", d, 4, seed=1), ChannelCodec("turboquant_mse", d, 4, seed=2))
+        ours("ours_lloyd4", LloydMaxCodec("turboquant_mse", d, 4, seed=1), LloydMaxCodec("turboquant_mse", d, 4, seed=2))
     return cands
 
 

@@ -16,7 +16,7 @@ matrix), ``vw=o_diag|o_full`` (value weights from W_o), ``s=`` exact sink tokens
 ``kl=``/``vl=`` per-layer bits (``"1:5;20.29:2"``). Bits 0 = stream left exact.
 
 Keys/values are quantized then dequantized on insertion into an mlx_lm ``KVCache`` subclass (``ProbeCache``)
-through the project's own codecs (``ChannelCodec`` = centring + outlier split + rotation/Lloyd-Max, or
+through the project's own codecs (``LloydMaxCodec`` = centring + outlier split + rotation/Lloyd-Max, or
 ``AffineRotatedCodec`` = centring + rotation + ``mx.quantize``), optionally wrapped by a channel transform
 from ``veloxquant_mlx.cache._key_weighting`` (query-aware key weights, output-aware value weights).
 
@@ -58,7 +58,7 @@ class Config:
     name: str
     kb: int  # key bits (0 = keys exact)
     vb: int  # value bits (0 = values exact)
-    codec: str = "lm"  # "lm" (ChannelCodec, Lloyd-Max) | "affine" (rotation + mx.quantize)
+    codec: str = "lm"  # "lm" (LloydMaxCodec, Lloyd-Max) | "affine" (rotation + mx.quantize)
     group: int = 64  # affine group size
     kw: str = "none"  # key transform: none | diag | diagq | diag_df | full
     vw: str = "none"  # value transform: none | o_diag | o_full
@@ -202,13 +202,13 @@ class ProbeStream:
     def _make_codec(self):
         d = self.stats.d
         if self.cfg.codec == "affine":
-            from veloxquant_mlx.cache._affine_codec import AffineRotatedCodec
+            from veloxquant_mlx.codecs import AffineRotatedCodec
 
             return AffineRotatedCodec(d, self.bits, self.cfg.group, center=self.cfg.center)
-        from veloxquant_mlx.cache._kv_codec import ChannelCodec
+        from veloxquant_mlx.codecs import LloydMaxCodec
 
         n_out = self.cfg.k_out if self.which == "k" else 0
-        return ChannelCodec("turboquant_mse", d, self.bits, n_outliers=n_out,
+        return LloydMaxCodec("turboquant_mse", d, self.bits, n_outliers=n_out,
                             outlier_bits=self.cfg.k_out_bits, center=self.cfg.center)
 
     def _fit_transform(self, x):

@@ -300,7 +300,7 @@ def test_nbytes_is_the_sum_of_stored_arrays():
     cache = vq.make_prompt_cache(model, k_bits=3, v_bits=2, sink=2, recent=3, n_outlier_channels=4)
     greedy(model, cache, batch_prompt(2), n=6)
     for c in cache:
-        stores = (c.codes, c.sink_store, c.tail)
+        stores = (c.k_codes, c.v_codes, c.sink_store, c.tail)
         held = sum(b.nbytes for s in stores for b in s.buffers.values())
         held += sum(a.nbytes for a in c._fitted_arrays().values())
         assert c.nbytes == held

@@ -1,4 +1,4 @@
-"""Attention on packed codes (veloxquant_mlx.attention.packed_sdpa) and the AffineRotatedCodec.
+"""Attention on packed codes (veloxquant_mlx.attention.packed_sdpa) and the affine codecs.
 
 Reference everywhere: decode the same codes (codec.decode), concatenate with the exact window, and run
 mx.fast.scaled_dot_product_attention with an explicit mask array. Differences are float32 rounding only.
@@ -12,10 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.base import create_causal_mask
 
-from veloxquant_mlx.attention.packed_sdpa import (CodedPart, ExactPart, cache_parts, coded_attention,
-                                                  packed_attention, packed_attention_for_cache)
-from veloxquant_mlx.cache._affine_codec import AffineBlockKeyCodec, AffineRotatedCodec
-from veloxquant_mlx.cache._kv_codec import ChannelCodec
+from veloxquant_mlx.attention.packed_sdpa import CodedPart, ExactPart, coded_attention, packed_attention
+from veloxquant_mlx.codecs import AffineBlockKeyCodec, AffineRotatedCodec, LloydMaxCodec
 
 D = 64
 SINK, RECENT = 3, 4
@@ -34,8 +32,8 @@ def make_codecs(kind: str, d: int = D):
         return AffineRotatedCodec(d, bits, seed=1), AffineRotatedCodec(d, bits, seed=2)
     method, _, outl = kind.partition("+")
     n_out = 8 if outl else 0
-    return (ChannelCodec(f"turboquant_{method}", d, 3, seed=1, n_outliers=n_out),
-            ChannelCodec(f"turboquant_{method}", d, 3, seed=2, n_outliers=n_out))
+    return (LloydMaxCodec(f"turboquant_{method}", d, 3, seed=1, n_outliers=n_out),
+            LloydMaxCodec(f"turboquant_{method}", d, 3, seed=2, n_outliers=n_out))
 
 
 def setup(kind, B=2, Hkv=2, n=None, window=True, seed=0, d=D):
@@ -175,7 +173,7 @@ def test_dense_parts_only_and_mixed_codecs():
     ref = mx.fast.scaled_dot_product_attention(q, K, V, scale=0.2, mask=create_causal_mask(3, 7))
     assert_close(out, ref)
     kc = AffineRotatedCodec(D, 4, seed=3)
-    vc = ChannelCodec("turboquant_mse", D, 3, seed=4)
+    vc = LloydMaxCodec("turboquant_mse", D, 3, seed=4)
     kc.fit(K)
     vc.fit(V)
     ka, va = kc.encode(K), vc.encode(V)
@@ -342,7 +340,7 @@ def test_block_key_codec(bits):
     # Blocks are independent: coding the halves apart and concatenating equals coding them together,
     # and slicing whole blocks back out gives each half.
     halves = [c.encode(x[:, :, i : i + 64]) for i in (0, 64)]
-    joined = AffineBlockKeyCodec.concat(halves)
+    joined = c.concat(halves)
     for name in arrays:
         np.testing.assert_array_equal(np.array(joined[name]), np.array(arrays[name]))
         np.testing.assert_array_equal(np.array(c.slice_tokens(arrays, 64, 128)[name]), np.array(halves[1][name]))
@@ -370,7 +368,7 @@ def test_affine_codec_rejects_bad_tensors():
 
 
 # -- glue: a real packed cache's buffers ---------------------------------------------------------
-def test_packed_attention_for_cache_matches_fetch():
+def test_attend_packed_matches_fetch():
     from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache
     from veloxquant_mlx.config import KVCacheConfig
 
@@ -381,16 +379,16 @@ def test_packed_attention_for_cache_matches_fetch():
         hist = cache.update_and_fetch(k, v)
         q = rand((1, 6, T, D), 30 + step)
         mask = "causal" if T > 1 else None
-        out = packed_attention_for_cache(cache, q, 0.125, mask)
+        out = cache.attend_packed(q, 0.125, mask)
         ref = mx.fast.scaled_dot_product_attention(q, hist[0], hist[1], scale=0.125, mask=mask)
         assert_close(out, ref)
-    kinds = [type(p).__name__ for p in cache_parts(cache)]
+    kinds = [type(p).__name__ for p in cache.attention_parts()]
     # sink, codes, (tail tokens the cache reads as coded, if any), exact recent window
-    assert cache.codes.length > 0
+    assert cache.n_coded > 0
     assert kinds[:2] == ["ExactPart", "CodedPart"] and kinds[-1] == "ExactPart"
 
 
-def test_packed_attention_for_rotating_cache_matches_fetch():
+def test_attend_packed_of_rotating_cache_matches_fetch():
     from veloxquant_mlx.cache.packed_cache import TurboQuantRotatingPackedCache
     from veloxquant_mlx.config import KVCacheConfig
 
@@ -400,8 +398,8 @@ def test_packed_attention_for_rotating_cache_matches_fetch():
         mask = cache.make_mask(T, window_size=24)  # mlx_lm builds the mask before the update
         hist = cache.update_and_fetch(k, v)
         q = rand((1, 4, T, D), 60 + step)
-        out = packed_attention_for_cache(cache, q, 0.125, mask)
+        out = cache.attend_packed(q, 0.125, mask)
         ref_mask = create_causal_mask(T, hist[0].shape[2] - T) if isinstance(mask, str) else mask
         ref = mx.fast.scaled_dot_product_attention(q, hist[0], hist[1], scale=0.125, mask=ref_mask)
         assert_close(out, ref)
-    assert cache.codes.length > 0
+    assert cache.n_coded > 0

@@ -54,7 +54,7 @@ def test_fetch_shapes_dtype_and_growth(dtype):
     assert keys.shape == (1, 2, 306, D) and values.shape == (1, 2, 306, D)
     assert keys.dtype == dtype and values.dtype == dtype
     assert cache.offset == cache.size() == 306 and not cache.empty()
-    assert cache.codes.capacity == 512  # grown in whole steps of 256
+    assert cache.v_codes.capacity == 512  # grown in whole steps of 256
 
 
 def test_error_falls_with_bits():
@@ -111,7 +111,7 @@ def test_sink_and_recent_tokens_are_exact():
     assert mx.array_equal(values[:, :, exact], v_all[:, :, exact])
     assert not mx.allclose(keys[:, :, coded], k_all[:, :, coded], atol=1e-3)
     # The tail also holds trim_headroom (8) older tokens, which read as coded ones.
-    assert (cache.sink_store.length, cache.codes.length, cache.tail.length) == (3, n - 3 - 12, 12)
+    assert (cache.sink_store.length, cache.n_coded, cache.tail.length) == (3, n - 3 - 12, 12)
 
 
 @settings(max_examples=15, deadline=None)
@@ -169,8 +169,19 @@ def test_bad_settings_raise():
         TurboQuantPackedCache({"bit_width_inlier": 4})
     with pytest.raises(ValueError, match="recent"):
         TurboQuantPackedCache(cfg(), recent=-1)
+    # Refused at construction, not at the first update.
     with pytest.raises(ValueError, match="n_outlier_channels"):
-        TurboQuantPackedCache(cfg(n_outlier_channels=1)).update_and_fetch(*kv())
+        TurboQuantPackedCache(cfg(n_outlier_channels=1))
+    with pytest.raises(ValueError, match="n_outlier_channels"):
+        TurboQuantPackedCache(cfg(head_dim=64, n_outlier_channels=63))
+    with pytest.raises(ValueError, match="group_size"):
+        TurboQuantPackedCache(cfg(), codec="affine", group_size=48)
+    with pytest.raises(ValueError, match="k_bits"):
+        TurboQuantPackedCache(k_bits=9)
+    with pytest.raises(TypeError, match="k_bits"):
+        TurboQuantPackedCache(k_bits=2.5)
+    with pytest.raises(TypeError, match="k_bits"):
+        TurboQuantPackedCache(k_bits="4")
     with pytest.raises(ValueError, match="sink"):
         TurboQuantRotatingPackedCache(cfg(), max_size=8, keep=2, sink=3)
     with pytest.raises(ValueError, match="keep"):
@@ -182,7 +193,7 @@ def test_trim_walks_back_through_tail_codes_and_sink():
     cache = TurboQuantPackedCache(cfg(), sink=2, recent=3, trim_headroom=0)
     cache.update_and_fetch(*kv(T=10))
     assert cache.trim(4) == 4 and cache.offset == 6
-    assert (cache.sink_store.length, cache.codes.length, cache.tail.length) == (2, 4, 0)
+    assert (cache.sink_store.length, cache.n_coded, cache.tail.length) == (2, 4, 0)
     assert cache.trim(100) == 6 and cache.offset == 0 and cache.empty()
     keys, _ = cache.update_and_fetch(*kv(T=3))
     assert keys.shape[2] == 3 and cache.sink_store.length == 2
@@ -271,7 +282,7 @@ def test_rotating_keeps_its_window_coded():
     assert mx.array_equal(keys[:, :, :1], expect[:, :, :1])  # sink: exact
     assert mx.array_equal(keys[:, :, -2:], expect[:, :, -2:])  # recent: exact
     assert rel_err(keys, expect) < 0.02  # the rest: 8-bit codes
-    assert cache.codes.length == 3
+    assert cache.n_coded == 3
     restored = TurboQuantRotatingPackedCache.from_state(cache.state)
     assert (restored.max_size, restored.keep, restored.offset) == (6, 2, 12)
 
@@ -290,9 +301,9 @@ def test_block_codec_codes_whole_blocks_and_reads_the_rest_exactly():
     k, v = kv(T=100, d=DB, offset=0.5)
     keys, values = cache.update_and_fetch(k, v)
     # 99 non-sink tokens: 3 blocks of 32 coded once 2 (headroom) newer ones exist; 3 stay exact.
-    assert (cache.sink_store.length, cache.codes.length, cache.tail.length) == (1, 96, 3)
-    assert cache.key_columns["w_q"].shape == (1, 2, DB, 96 * 4 // 32)
-    assert cache.key_columns["scales"].shape == (1, 2, DB, 3)
+    assert (cache.sink_store.length, cache.n_coded, cache.tail.length) == (1, 96, 3)
+    assert cache.k_codes.view()["w_q"].shape == (1, 2, DB, 96 * 4 // 32)
+    assert cache.k_codes.view()["scales"].shape == (1, 2, DB, 3)
     exact = [0, 97, 98, 99]
     assert mx.array_equal(keys[:, :, exact], k[:, :, exact]) and mx.array_equal(values[:, :, exact], v[:, :, exact])
     assert 0 < rel_err(keys[:, :, 1:97], k[:, :, 1:97]) < 0.2 and 0 < rel_err(values[:, :, 1:97], v[:, :, 1:97]) < 0.2
@@ -318,15 +329,14 @@ def test_block_codec_trim_into_the_codes_keeps_every_surviving_token(n):
     keys, values = cache.update_and_fetch(*kv(T=110, d=DB))
     assert cache.trim(n) == min(n, 110)
     left = 110 - min(n, 110)
-    assert cache.offset == left == cache.sink_store.length + cache.codes.length + cache.tail.length
-    assert cache.codes.length % 32 == 0 and cache.codes.length == cache.k_codec.n_tokens(cache.key_columns or
-                                                                                       {"scales": mx.zeros((1, 2, DB, 0))})
+    assert cache.offset == left == cache.sink_store.length + cache.n_coded + cache.tail.length
+    assert cache.n_coded % 32 == 0 and cache.n_coded == cache.k_codes.length == cache.k_codec.n_tokens(cache.k_codes.view())
     if left:
         k2, v2 = cache._fetch(mx.float32)
         # Survivors of a cut block come back as their decoded values: the history reads as before.
         assert mx.allclose(k2, keys[:, :, :left], atol=1e-5) and mx.allclose(v2, values[:, :, :left], atol=1e-5)
     k3, _ = cache.update_and_fetch(*kv(T=70, d=DB, seed=3))
-    assert k3.shape[2] == left + 70 and cache.codes.length % 32 == 0
+    assert k3.shape[2] == left + 70 and cache.n_coded % 32 == 0
 
 
 def test_block_codec_state_round_trip_and_rotating_refusal():
@@ -339,7 +349,7 @@ def test_block_codec_state_round_trip_and_rotating_refusal():
         assert mx.array_equal(a[0], x[0]) and mx.array_equal(a[1], x[1])
     # Value codes grow a whole block at a time, so attention reads whole arrays (no slices): also after a restore.
     for x in (cache, restored, twin):
-        assert x.codes.length == x.codes.capacity == 96
-        assert all(x.codes.view()[n] is a for n, a in x.codes.buffers.items())
+        assert x.n_coded == x.v_codes.capacity == 96
+        assert all(x.v_codes.view()[n] is a for n, a in x.v_codes.buffers.items())
     with pytest.raises(ValueError, match="affine_block"):
         TurboQuantRotatingPackedCache(cfg(), max_size=64, codec="affine_block")

@@ -22,8 +22,7 @@ from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models import gemma3_text, llama
 
 from veloxquant_mlx.attention import use_packed_attention
-from veloxquant_mlx.cache._affine_codec import AffineRotatedCodec
-from veloxquant_mlx.cache._kv_codec import ChannelCodec
+from veloxquant_mlx.codecs import AffineRotatedCodec, LloydMaxCodec
 from veloxquant_mlx.cache.builder import attention_is_routable, make_prompt_cache
 from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache, TurboQuantRotatingPackedCache
 from veloxquant_mlx.cache.prompt_cache_io import load_prompt_cache, save_prompt_cache
@@ -147,7 +146,7 @@ def test_llama_same_tokens_and_logits_with_and_without_hook(llama_model, codec, 
     assert max(count_packed["errors"]) <= REL_TOL
     assert toks == ref_toks
     assert_close(logits, ref_logits, FREE_RUN_TOL)
-    assert all(c.codes.length > 0 for c in cache), "tokens must really have been coded"
+    assert all(c.n_coded > 0 for c in cache), "tokens must really have been coded"
 
     # Outside the context the same caches go on through update_and_fetch (decoded history).
     before = count_packed["attend"]
@@ -192,7 +191,7 @@ def test_affine_caches_hold_affine_codecs_and_count_every_byte(llama_model):
     lm = make_prompt_cache(llama_model, k_bits=4)
     with use_packed_attention():
         prefill(llama_model, lm, prompt(1))
-    assert isinstance(lm[0].k_codec, ChannelCodec)
+    assert isinstance(lm[0].k_codec, LloydMaxCodec)
 
 
 @pytest.mark.parametrize("codec", CODECS)
@@ -250,7 +249,7 @@ def test_bad_codec_options_raise():
     cfg = KVCacheConfig(bit_width_inlier=4)
     with pytest.raises(ValueError, match="codec"):
         TurboQuantPackedCache(cfg, codec="nf4")
-    with pytest.raises(ValueError, match="bit_width_inlier"):
+    with pytest.raises(ValueError, match="k_bits"):
         TurboQuantPackedCache(KVCacheConfig(bit_width_inlier=7), codec="affine")
     with pytest.raises(ValueError, match="outlier"):
         TurboQuantPackedCache(KVCacheConfig(bit_width_inlier=4, n_outlier_channels=4), codec="affine")

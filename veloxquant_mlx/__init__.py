@@ -25,6 +25,8 @@ _EXPORTS = {
     "TurboQuantPackedCache": "veloxquant_mlx.cache.packed_cache",
     "TurboQuantRotatingPackedCache": "veloxquant_mlx.cache.packed_cache",
     "KVCacheBuilder": "veloxquant_mlx.cache.builder",
+    "CacheOptions": "veloxquant_mlx.cache.options",
+    "CODECS": "veloxquant_mlx.codecs",
     "make_prompt_cache": "veloxquant_mlx.cache.builder",
     "save_prompt_cache": "veloxquant_mlx.cache.prompt_cache_io",
     "load_prompt_cache": "veloxquant_mlx.cache.prompt_cache_io",

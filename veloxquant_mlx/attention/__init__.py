@@ -22,26 +22,22 @@ provided the model's attention really goes through mlx_lm's function: `routes_mo
 (a few mlx_lm model files call ``mx.fast.scaled_dot_product_attention`` directly).
 Caches without ``attend_packed`` go through the original mlx_lm function unchanged.
 
-A packed cache can implement the method in one line with
-``packed_attention_for_cache(self, queries, scale, mask, sinks)``, which reads ``sink_store`` and ``tail``
-(TokenStores of exact tokens), ``codes.length``, ``coded_arrays()``, ``exact_tail_from`` and ``k_codec`` /
-``v_codec`` (AffineRotatedCodec, AffineBlockKeyCodec or ChannelCodec); see `cache_parts`.
+A cache implements the method in one line: ``packed_attention(queries, self.attention_parts(), scale, mask,
+sinks=sinks)``, where ``attention_parts()`` lists its history as `ExactPart` / `CodedPart` (codes of any codec
+of :mod:`veloxquant_mlx.codecs`) in temporal order.
 """
 from .hook import (implements_protocol, install, is_active, packed_scaled_dot_product_attention,
                    placeholder_history, routes_model, uninstall, use_packed_attention)
-from .packed_sdpa import (CodedPart, ExactPart, cache_parts, coded_attention,
-                          packed_attention, packed_attention_for_cache)
+from .packed_sdpa import CodedPart, ExactPart, coded_attention, packed_attention
 
 __all__ = [
     "CodedPart",
     "ExactPart",
-    "cache_parts",
     "coded_attention",
     "implements_protocol",
     "install",
     "is_active",
     "packed_attention",
-    "packed_attention_for_cache",
     "packed_scaled_dot_product_attention",
     "placeholder_history",
     "routes_model",

@@ -119,14 +119,19 @@ class TokenStore:
         """What goes into a cache's ``state``: the live part of every buffer."""
         return self.view()
 
-    @classmethod
-    def from_arrays(cls, arrays: Dict[str, mx.array], step: int = 256) -> "TokenStore":
-        """Rebuild from ``live_arrays()`` output (all arrays share the token count)."""
-        store = cls(step)
+    def load(self, arrays: Dict[str, mx.array]) -> None:
+        """Hold ``live_arrays()`` output (all arrays share the token count) in place of the current buffers."""
+        self.buffers, self.length = {}, 0
         if arrays:
             lengths = {a.shape[TOKEN_AXIS] for a in arrays.values()}
             if len(lengths) != 1:
                 raise ValueError(f"stored arrays disagree on the token count: {sorted(lengths)}")
-            store.buffers = dict(arrays)
-            store.length = lengths.pop()
+            self.buffers = dict(arrays)
+            self.length = lengths.pop()
+
+    @classmethod
+    def from_arrays(cls, arrays: Dict[str, mx.array], step: int = 256) -> "TokenStore":
+        """Rebuild from ``live_arrays()`` output (all arrays share the token count)."""
+        store = cls(step)
+        store.load(arrays)
         return store

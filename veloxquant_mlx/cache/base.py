@@ -8,5 +8,7 @@
 """
 from __future__ import annotations
 
-SERVABLE_METHODS = frozenset({"turboquant_mse", "turboquant_prod", "turboquant_rvq"})
+from veloxquant_mlx.cache.options import METHODS
+
+SERVABLE_METHODS = frozenset(METHODS)
 STANDALONE_METHODS = frozenset({"turboquant_mse", "turboquant_prod"})

@@ -22,7 +22,8 @@ from typing import Any, Optional
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, create_attention_mask
 
-from veloxquant_mlx.cache._kv_codec import check_float_heads, get_quantizer
+from veloxquant_mlx.codecs.lloyd_max import get_quantizer
+from veloxquant_mlx.validate import check_heads
 from veloxquant_mlx.cache._token_store import TokenStore
 
 _FIELDS = ("indices", "indices2", "norms", "values")
@@ -56,8 +57,8 @@ class TurboQuantRVQKVCache(KVCache):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Normalize and RVQ-code the keys, store values in float16; return dequantized K and the stored V."""
-        check_float_heads("keys", keys, self.config.head_dim)
-        check_float_heads("values", values)
+        check_heads("keys", keys, self.config.head_dim)
+        check_heads("values", values)
         if keys.shape[:3] != values.shape[:3]:
             raise ValueError(
                 f"keys and values must agree on (B, H, T): keys {tuple(keys.shape)}, values {tuple(values.shape)}"

@@ -9,9 +9,5 @@ DEFAULT_N_CALIB_TOKENS = 128
 #: so that the grid is symmetric around zero).
 INT8_MAX = 127
 
-#: Largest finite float16 value: an fp16 scale of absmax / INT8_MAX overflows past
-#: INT8_MAX * FLOAT16_MAX (about 8.3e6).
-FLOAT16_MAX = 65504.0
-
 #: Rows by which the standalone cache's buffers grow (same step as mlx_lm's KVCache).
 CACHE_GROWTH_STEP = 256

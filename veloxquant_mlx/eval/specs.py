@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
+from veloxquant_mlx.cache.options import CacheOptions
+
 CacheFactory = Callable[[object], list]
 
 # QuantizedKVCache group size for the mlx-lm baselines (mlx_lm's own default)
@@ -26,7 +28,7 @@ class CacheSpec:
     family: method family (``"kv"``, ``"mlx-q"``, ``"turboquant_mse"``, ...), used with ``bits``
         to resolve ``--method FAMILY --bits B``.
     bits: nominal bits per coordinate (None for the unquantized cache); the *measured* bits come
-        from :func:`veloxquant_mlx.eval.metrics.cache_memory`.
+        from :func:`veloxquant_mlx.eval.memory.cache_memory`.
     """
 
     name: str
@@ -35,6 +37,7 @@ class CacheSpec:
     bits: Optional[float] = None
     description: str = ""
     extra: Dict[str, object] = field(default_factory=dict)
+    options: Optional[CacheOptions] = None  # compressed configurations: the options the caches are built from
 
     def to_dict(self) -> dict:
         return {"name": self.name, "family": self.family, "bits": self.bits, "description": self.description}
@@ -75,57 +78,64 @@ def baseline_specs() -> List[CacheSpec]:
     return specs
 
 
-# The TurboQuant configurations every tool offers (demo, generate, eval, methods, plan, serve).
-# One entry per (method, nominal bits): (method, key bits, value bits, builder options).
-# Every configuration keeps the first 4 tokens exact ("attention sinks"): on SmolLM2 this removed
-# about a third of the KL at 4 bits (benchmarks/probe_quality.py) and fixed garbled chat answers.
+# The TurboQuant configurations every tool offers (demo, generate, eval, methods, plan, serve): the one registry
+# of named configurations, each a `CacheOptions`. Every configuration keeps the first 4 tokens exact
+# ("attention sinks"): on SmolLM2 this removed about a third of the KL at 4 bits (benchmarks/probe_quality.py)
+# and fixed garbled chat answers. "tq-affine": the TurboQuant rotation with MLX's affine codes instead of the
+# Lloyd-Max codebook, keys per channel over 64-token blocks ("affine_block"): the fastest attention on codes.
+# 8-bit codes: MLX's CPU quantized matmul runs faster on byte-aligned codes, and keys carry most of the
+# attention error: near-lossless, and (k8v8) decoding faster than the plain float32 cache on CPU.
 SINK_TOKENS = 4
-# "tq-affine": the TurboQuant rotation with MLX's affine codes instead of the Lloyd-Max codebook, keys per
-# channel over 64-token blocks ("affine_block"): the configuration whose attention on codes is fastest.
-COMPRESSED = (
-    ("turboquant_mse", 4, 4, {}),
-    ("turboquant_mse", 3, 3, {}),
-    ("turboquant_mse", 2, 2, {}),
-    ("turboquant_prod", 4, 4, {}),
-    ("turboquant_rvq", 2, 2, {}),
-    ("turboquant_mse", 4, 4, {"codec": "affine_block"}),
-    # 8-bit codes: MLX's CPU quantized matmul runs faster on byte-aligned codes, and keys carry most of the
-    # attention error: near-lossless, and (k8v8) decoding faster than the plain float32 cache on CPU.
-    ("turboquant_mse", 8, 4, {"codec": "affine_block"}),
-    ("turboquant_mse", 8, 8, {"codec": "affine_block"}),
-)
 
 
-def _turboquant(method: str, k_bits: int, v_bits: int, options: dict) -> CacheFactory:
+def _tq(method: str, k_bits: int, v_bits: int, codec: str = "lloyd_max") -> CacheOptions:
+    return CacheOptions(method=method, k_bits=k_bits, v_bits=v_bits, sink=SINK_TOKENS, codec=codec)
+
+
+CONFIGURATIONS: Dict[str, CacheOptions] = {
+    "tq-mse-k4v4": _tq("turboquant_mse", 4, 4),
+    "tq-mse-k3v3": _tq("turboquant_mse", 3, 3),
+    "tq-mse-k2v2": _tq("turboquant_mse", 2, 2),
+    "tq-prod-k4v4": _tq("turboquant_prod", 4, 4),
+    "tq-rvq-k2v2": _tq("turboquant_rvq", 2, 2),
+    "tq-affine-k4v4": _tq("turboquant_mse", 4, 4, "affine_block"),
+    "tq-affine-k8v4": _tq("turboquant_mse", 8, 4, "affine_block"),
+    "tq-affine-k8v8": _tq("turboquant_mse", 8, 8, "affine_block"),
+}
+
+
+def options_extra(options: CacheOptions) -> Dict[str, object]:
+    """The options that differ from `CacheOptions`' defaults (what ``--method NAME`` sets)."""
+    default = CacheOptions()
+    return {k: v for k, v in options.to_dict().items() if v != getattr(default, k) or k in ("method", "k_bits")}
+
+
+def _compressed_factory(options: CacheOptions) -> CacheFactory:
     def make(model) -> list:
         from veloxquant_mlx.cache.builder import make_prompt_cache
 
-        return make_prompt_cache(model, method=method, k_bits=k_bits, v_bits=v_bits, sink=SINK_TOKENS, **options)
+        return make_prompt_cache(model, options)
 
     return make
 
 
+def compressed_spec(name: str, options: CacheOptions) -> CacheSpec:
+    """A `CacheSpec` for compressed caches built from ``options``."""
+    # RVQ codes each vector twice (two b-bit streams), so its nominal bits are 2b.
+    nominal = 2 * options.k_bits if options.method == "turboquant_rvq" else options.k_bits
+    if options.codec == "lloyd_max":
+        family, what = options.method, options.method
+    else:
+        family, what = "tq-affine", f"rotation + MLX affine codes ({options.codec})"
+    return CacheSpec(name, _compressed_factory(options), family=family, bits=nominal,
+                     description=f"{what}, keys {options.k_bits}-bit, values {options.value_bits}-bit, "
+                                 f"first {options.sink} tokens exact",
+                     extra=options_extra(options), options=options)
+
+
 def compressed_specs(head_dim: Optional[int] = None) -> List[CacheSpec]:
-    """TurboQuant cache configurations (``head_dim`` is read from the model when the cache is built)."""
-    specs = []
-    for method, kb, vb, options in COMPRESSED:
-        # RVQ codes each vector twice (two b-bit streams), so its nominal bits are 2b.
-        nominal = 2 * kb if method == "turboquant_rvq" else kb
-        short, family, what = method.replace("turboquant_", "tq-"), method, method
-        if options.get("codec", "lloyd_max") != "lloyd_max":
-            short = family = "tq-affine"
-            what = f"rotation + MLX affine codes ({options['codec']})"
-        specs.append(
-            CacheSpec(
-                f"{short}-k{kb}v{vb}",
-                _turboquant(method, kb, vb, options),
-                family=family,
-                bits=nominal,
-                description=f"{what}, keys {kb}-bit, values {vb}-bit, first {SINK_TOKENS} tokens exact",
-                extra={"method": method, "k_bits": kb, "v_bits": vb, "sink": SINK_TOKENS, **options},
-            )
-        )
-    return specs
+    """The registered TurboQuant configurations (``head_dim`` is read from the model when the cache is built)."""
+    return [compressed_spec(name, options) for name, options in CONFIGURATIONS.items()]
 
 
 def registered_specs(head_dim: Optional[int] = None) -> List[CacheSpec]:

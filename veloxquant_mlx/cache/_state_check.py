@@ -1,0 +1,134 @@
+"""Reading a packed cache's saved ``state`` back: believe nothing the arrays cannot confirm.
+
+`read_meta` parses and checks the JSON ``meta`` (options, offset, dims, token counts); `restore_arrays` checks
+every array against what the options and dims imply (each codec's ``check_codes`` / ``load_fitted``, the exact
+windows' shapes, the token counts and the offset) before the cache holds it. Errors are ValueErrors naming the
+array or field, so a prompt-cache file that does not add up is refused when it is loaded, not at first use.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, Tuple
+
+import mlx.core as mx
+
+from veloxquant_mlx.validate import FLOAT_DTYPES
+
+_FORMATS = (1, 2)
+_CACHE_KEYS = ("fetch_placeholders", "max_size", "keep")
+
+
+def _fail(cls, what: str):
+    return ValueError(f"{cls.__name__} state: {what}")
+
+
+def read_meta(cls, state) -> Tuple[Any, Dict[str, Any], Dict[str, Any]]:
+    """``(CacheOptions, constructor keyword arguments, meta dict)`` from ``state["meta"]``."""
+    from veloxquant_mlx.cache.options import CacheOptions
+
+    if not isinstance(state, dict) or not isinstance(state.get("meta"), str):
+        raise ValueError(f"{cls.__name__}.from_state expects the dict written by .state (with a 'meta' string), "
+                         f"got {type(state).__name__}")
+    try:
+        meta = json.loads(state["meta"])
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise _fail(cls, f"'meta' is not valid JSON ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") not in _FORMATS:
+        got = meta.get("format") if isinstance(meta, dict) else meta
+        raise _fail(cls, f"unsupported format {got!r} (expected one of {_FORMATS})")
+    if meta.get("class") != cls.__name__:
+        raise _fail(cls, f"it was written by {meta.get('class')!r}, not {cls.__name__!r}")
+    try:
+        if meta["format"] == 1:  # options split into a KVCacheConfig dict and cache options
+            from veloxquant_mlx.config import KVCacheConfig
+
+            opts = dict(meta["options"])
+            kwargs = {k: opts.pop(k) for k in _CACHE_KEYS if k in opts}
+            options = CacheOptions.from_kv_config(KVCacheConfig.from_dict(meta["config"]), **opts)
+        else:
+            options = CacheOptions.from_dict(meta["options"])
+            kwargs = dict(meta["cache"])
+        offset, dims, stores = meta["offset"], meta["dims"], meta["stores"]
+    except (KeyError, TypeError, ValueError) as e:
+        raise _fail(cls, f"'meta' does not hold valid options ({e})") from None
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise _fail(cls, f"'meta' offset must be an int >= 0, got {offset!r}")
+    if dims is not None and not (isinstance(dims, list) and len(dims) == 2
+                                 and all(isinstance(d, int) and d > 0 for d in dims)):
+        raise _fail(cls, f"'meta' dims must be None or two positive ints, got {dims!r}")
+    if not (isinstance(stores, dict) and set(stores) == {"codes", "sink", "tail"}
+            and all(isinstance(v, int) and v >= 0 for v in stores.values())):
+        raise _fail(cls, f"'meta' stores must give the token counts of codes, sink and tail, got {stores!r}")
+    return options, kwargs, meta
+
+
+def _check_exact(cls, name: str, arrays: Dict[str, mx.array], dims) -> None:
+    if set(arrays) != {"k", "v"}:
+        raise _fail(cls, f"the {name} window must hold arrays 'k' and 'v', got {sorted(arrays)}")
+    for field, d in zip(("k", "v"), dims):
+        a = arrays[field]
+        if a.ndim != 4 or a.shape[-1] != d or a.dtype not in FLOAT_DTYPES:
+            raise _fail(cls, f"array of the {name} window {field!r} has shape {tuple(a.shape)} {a.dtype}, "
+                             f"expected (B, H, n, {d}) floats")
+    if arrays["k"].shape[:3] != arrays["v"].shape[:3]:
+        raise _fail(cls, f"the {name} window's 'k' and 'v' disagree on (B, H, n)")
+
+
+def restore_arrays(cache, state: Dict[str, Any], meta: Dict[str, Any]) -> None:
+    """Check ``state``'s arrays against ``cache``'s options and ``meta``, then load them into ``cache``."""
+    cls = type(cache)
+    names = set(state) - {"meta"}
+    if meta["dims"] is None:
+        if names or meta["offset"]:
+            raise _fail(cls, f"no head dims recorded, yet it holds arrays {sorted(names)} / offset {meta['offset']}")
+        return
+    cache._setup(*meta["dims"])
+    claimed = set()
+    for prefix, codec in (("kfit_", cache.k_codec), ("vfit_", cache.v_codec)):
+        fitted = {n[len(prefix):]: a for n, a in state.items() if n.startswith(prefix)}
+        claimed |= {prefix + n for n in fitted}
+        try:
+            codec.load_fitted(fitted)
+        except ValueError as e:
+            raise _fail(cls, f"{prefix}*: {e}") from None
+    loaded = {}
+    for prefix, store in cache._store_prefixes().items():
+        arrays = {n[len(prefix):]: a for n, a in state.items() if n.startswith(prefix)}
+        claimed |= {prefix + n for n in arrays}
+        loaded[prefix] = arrays
+    unexpected = sorted(names - claimed)
+    if unexpected:
+        raise _fail(cls, f"unexpected arrays {unexpected}")
+    counts = {}
+    for prefix, arrays in loaded.items():
+        store = cache._store_prefixes()[prefix]
+        if prefix in ("s_", "t_"):
+            if arrays:
+                _check_exact(cls, {"s_": "sink", "t_": "tail"}[prefix], arrays, cache.dims)
+            n = arrays["k"].shape[2] if arrays else 0
+        else:
+            codec = cache.k_codec if store is cache.k_codes else cache.v_codec
+            if arrays:
+                try:
+                    codec.check_codes(arrays, f"{prefix}*")
+                except ValueError as e:
+                    raise _fail(cls, str(e)) from None
+            n = codec.n_tokens(arrays)
+        counts[prefix] = n
+        store.load(arrays)
+    k_prefix = "kc_" if cache._block > 1 else "c_k_"
+    expected = {"s_": meta["stores"]["sink"], "t_": meta["stores"]["tail"], k_prefix: meta["stores"]["codes"],
+                "c_v_": meta["stores"]["codes"]}
+    for prefix, n in counts.items():
+        if n != expected[prefix]:
+            raise _fail(cls, f"arrays {prefix}* hold {n} tokens, but 'meta' says {expected[prefix]}")
+    heads = {tuple(next(iter(s.buffers.values())).shape[:2]) for s in cache._stores() if s.buffers}
+    if len(heads) > 1:
+        raise _fail(cls, f"stored arrays disagree on (B, H): {sorted(heads)}")
+    stored = sum(expected[p] for p in ("s_", "t_", "c_v_"))
+    rotating = hasattr(cache, "max_size")
+    if (stored != meta["offset"]) if not rotating else (stored > meta["offset"]):
+        raise _fail(cls, f"offset {meta['offset']} does not match the {stored} tokens stored")
+    if expected["s_"] != min(cache.sink, meta["offset"]):
+        raise _fail(cls, f"the sink holds {expected['s_']} tokens, expected min(sink={cache.sink}, offset)")
+    cache.offset = meta["offset"]

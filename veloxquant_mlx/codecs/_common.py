@@ -1,0 +1,91 @@
+"""Small pieces every codec file shares: per-token token-axis bookkeeping and the CPU crossover rule."""
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence
+
+import mlx.core as mx
+
+TOKEN_AXIS = 2
+
+
+def f32(x: mx.array) -> mx.array:
+    """``x`` as float32, without adding a graph node when it already is (decode builds ~60 ops per layer)."""
+    return x if x.dtype == mx.float32 else x.astype(mx.float32)
+
+
+def packed_matmul_ok(rows: int, packed_rows: Optional[int], cpu_crossover: int) -> bool:
+    """Whether ``rows`` query rows per KV head should use quantized matmuls (else dequantize once + BLAS).
+
+    On CPU `mx.quantized_matmul` costs grow linearly with the rows while dequantize + BLAS costs ~O(n d)
+    whatever the rows: each layout measured its own crossover. GPUs tile large row counts: always packed.
+    """
+    if packed_rows is not None:
+        return rows <= packed_rows
+    if mx.default_device() != mx.cpu:
+        return True
+    return rows <= cpu_crossover
+
+
+def finite_channel_mean(x: mx.array) -> mx.array:
+    """Per-head channel mean ``(H, d)`` float32 of ``(B, H, T, d)`` over finite entries only: one NaN or inf
+    coordinate in one token must not poison the statistics every later token is coded with."""
+    ok = mx.isfinite(x)
+    total = mx.sum(mx.where(ok, x, 0.0), axis=(0, 2))
+    return total / mx.maximum(mx.sum(ok.astype(mx.float32), axis=(0, 2)), 1.0)
+
+
+def clamp_to(x: mx.array, dtype) -> mx.array:
+    """float32 ``x`` in ``dtype``, clamped to float16's finite range when that is the target: a reconstruction
+    may overshoot an input near ±65504 and must not decode to inf."""
+    if dtype == mx.float16:
+        x = mx.clip(x, -65504.0, 65504.0)
+    return x.astype(dtype)
+
+
+class PerTokenLayout:
+    """Mixin for layouts whose arrays all hold the token axis at 2 (``(B, H, n, ...)``)."""
+
+    token_block = 1
+    BLOCKED = False  # codes single tokens: a cache may evict or trim any one
+
+    def n_tokens(self, codes: Dict[str, mx.array]) -> int:
+        return next(iter(codes.values())).shape[TOKEN_AXIS] if codes else 0
+
+    def slice_tokens(self, codes: Dict[str, mx.array], start: int, stop: int) -> Dict[str, mx.array]:
+        return {f: a[:, :, start:stop] for f, a in codes.items()}
+
+    def concat(self, chunks: Sequence[Dict[str, mx.array]]) -> Dict[str, mx.array]:
+        chunks = [c for c in chunks if c]
+        if len(chunks) == 1:
+            return dict(chunks[0])
+        return {f: mx.concatenate([c[f] for c in chunks], axis=TOKEN_AXIS) for f in chunks[0]}
+
+    def new_store(self, step: int):
+        from veloxquant_mlx.cache._token_store import TokenStore
+
+        return TokenStore(step)
+
+    def check_codes(self, codes: Dict[str, mx.array], name: str) -> None:
+        """The fields `encode` writes, sharing (B, H, n) (what a restore must find)."""
+        expected = self.code_fields()
+        missing = sorted(set(expected) - set(codes))
+        extra = sorted(set(codes) - set(expected))
+        if missing or extra:
+            raise ValueError(f"{name}: stored code arrays {sorted(codes)} do not match this codec's "
+                             f"{sorted(expected)} (missing {missing}, unexpected {extra})")
+        lead = {tuple(a.shape[:3]) for a in codes.values()}
+        if len(lead) != 1:
+            raise ValueError(f"{name}: code arrays disagree on (B, H, tokens): {sorted(lead)}")
+        for f, a in codes.items():
+            trailing, dtype = expected[f]
+            if a.ndim != 3 + len(trailing) or tuple(a.shape[3:]) != trailing or a.dtype != dtype:
+                want = ", ".join(["B", "H", "n"] + [str(t) for t in trailing])
+                raise ValueError(f"{name}: array {f!r} has shape {tuple(a.shape)} {a.dtype}, expected ({want}) {dtype}")
+
+    def code_fields(self) -> Dict[str, tuple]:
+        """``{field: (shape after (B, H, n), dtype)}`` of what `encode` writes (probed once on a zero token)."""
+        fields = getattr(self, "_code_fields", None)
+        if fields is None:
+            probe = self.encode(mx.zeros((1, 1, 1, self.d), dtype=mx.float32))
+            fields = self._code_fields = {f: (tuple(a.shape[3:]), a.dtype) for f, a in probe.items()}
+        return fields

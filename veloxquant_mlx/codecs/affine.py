@@ -1,0 +1,172 @@
+"""``affine``: centre, rotate, then MLX's affine ``mx.quantize`` per token — codes `mx.quantized_matmul` reads.
+
+Per token vector x (one head, length d):
+
+    y = Pi (x - mu)                    (mu: per-head mean fitted once; Pi: seeded orthogonal rotation)
+    w_q, scales, biases = mx.quantize(y, group_size, bits)     (affine, along the last axis)
+
+After a random rotation every coordinate looks alike, so MLX's affine format loses nothing to a Lloyd-Max
+codebook at 3-4 bits per stored bit (FINDINGS.md), and attention never dequantizes the history: keys are
+scored with ``mx.quantized_matmul(q Pi^T, codes, transpose=True)`` (q.k = (Pi q).(Pi k)), values aggregated
+with ``mx.quantized_matmul(p, codes)`` and the ``(.., d)`` output rotated back once; ``q . mu`` and
+``sum(p) mu`` are the centring terms. Scales and biases are stored in float16 (float32 inputs to
+`mx.quantized_matmul` with float16 scales measured no slower on CPU).
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import mlx.core as mx
+
+from veloxquant_mlx.codecs._common import PerTokenLayout, clamp_to, f32, finite_channel_mean, packed_matmul_ok
+from veloxquant_mlx.rotation import ROTATION_KINDS, make_rotation
+from veloxquant_mlx.validate import check_bool, check_choice, check_heads, check_int
+
+AFFINE_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize supports
+AFFINE_GROUP_SIZES = (32, 64, 128)
+SCALE_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+FIELDS = ("w_q", "scales", "biases")
+
+# Measured CPU crossovers (query rows per KV head) above which decoding once + BLAS beats the quantized
+# matmul (benchmarks/attention.py era, 8 KV heads, d=128, n=8k): scoring (transpose=True) ~12 rows, value
+# aggregation (transpose=False) ~32 rows.
+CPU_PACKED_ROWS_SCORES = 12
+CPU_PACKED_ROWS_VALUES = 32
+
+
+def default_group_size(d: int) -> int:
+    """64, or d itself when the head is narrower (32); the group must divide d."""
+    return 64 if d >= 64 else d
+
+
+class AffineRotatedCodec(PerTokenLayout):
+    """Codes ``(B, H, T, d)`` tensors as ``{"w_q", "scales", "biases"}`` arrays ``(B, H, T, ...)``.
+
+    Args:
+        d: head dim; a multiple of ``group_size``. bits: one of 2, 3, 4, 5, 6, 8.
+        group_size: 32, 64 or 128 (default 64, or d when d < 64). seed: rotation seed (int >= 0).
+        rotation: "haar" or "hadamard". center: subtract a per-head mean fitted once by `fit`.
+        scale_dtype: storage dtype of scales and biases ("float16" default, "bfloat16", "float32").
+    """
+
+    BITS = AFFINE_BITS
+    OUTLIERS = False
+    GROUP_SIZES = AFFINE_GROUP_SIZES
+
+    def __init__(self, d: int, bits: int, group_size: Optional[int] = None, *, seed: int = 0,
+                 rotation: str = "haar", center: bool = True, scale_dtype: str = "float16"):
+        check_int("d", d, 1)
+        check_int("seed", seed, 0)
+        if check_int("bits", bits) not in AFFINE_BITS:
+            raise ValueError(f"bits must be one of {AFFINE_BITS} (mx.quantize), got {bits}")
+        group_size = default_group_size(d) if group_size is None else check_int("group_size", group_size)
+        if group_size not in AFFINE_GROUP_SIZES:
+            raise ValueError(f"group_size must be one of {AFFINE_GROUP_SIZES} (mx.quantize), got {group_size}")
+        if d % group_size:
+            raise ValueError(f"d must be a positive multiple of group_size={group_size}, got d={d}")
+        check_choice("rotation", rotation, ROTATION_KINDS)
+        self.center = check_bool("center", center)
+        self.scale_dtype_name = check_choice("scale_dtype", scale_dtype, SCALE_DTYPES)
+        self.scale_dtype = SCALE_DTYPES[scale_dtype]
+        self.d, self.bits, self.group_size = d, bits, group_size
+        self.seed, self.rotation_kind = seed, rotation
+        self.rotation = make_rotation(d, seed, rotation)
+        self.mean: Optional[mx.array] = None  # (H, d) float32
+
+    @classmethod
+    def from_options(cls, options, role: str, d: int):
+        """The keys' or values' codec of a cache (keys and values get independent rotations)."""
+        if role == "keys":
+            return cls(d, options.k_bits, options.group_size, seed=options.seed, rotation=options.rotation,
+                       center=options.center_keys)
+        return cls(d, options.v_bits, options.group_size, seed=options.seed + 1000, rotation=options.rotation,
+                   center=options.center_values)
+
+    @property
+    def rotation_matrix(self) -> mx.array:
+        """``(d, d)`` float32 Pi: stored vectors are ``Pi (x - mu)``; rotate queries with ``q @ Pi^T``."""
+        return self.rotation.matrix
+
+    def bytes_per_token_head(self) -> float:
+        """Stored bytes per token per head (codes + scales + biases), fitted mean not counted."""
+        itemsize = 4 if self.scale_dtype == mx.float32 else 2
+        return self.d * self.bits / 8 + 2 * (self.d // self.group_size) * itemsize
+
+    # -- fitting ----------------------------------------------------------------------------------
+    @property
+    def fitted(self) -> bool:
+        return self.mean is not None or not self.center
+
+    def fit(self, x: mx.array) -> None:
+        check_heads("x", x, self.d)
+        if self.center:
+            self.mean = finite_channel_mean(f32(x))
+
+    def fitted_arrays(self) -> Dict[str, mx.array]:
+        return {} if self.mean is None else {"mean": self.mean}
+
+    def load_fitted(self, arrays: Dict[str, mx.array]) -> None:
+        mean = arrays.get("mean")
+        if self.center and (mean is None or mean.ndim != 2 or mean.shape[1] != self.d):
+            raise ValueError(f"fitted array 'mean' must be (H, {self.d}) for a centred codec, got "
+                             f"{None if mean is None else tuple(mean.shape)}")
+        self.mean = mean
+
+    # -- coding -----------------------------------------------------------------------------------
+    def rotate(self, x: mx.array) -> mx.array:
+        """``(B, H, T, d)`` -> float32 ``Pi (x - mu)`` (the vectors that get quantized)."""
+        xf = f32(x)
+        if self.mean is not None:
+            xf = xf - self.mean[None, :, None, :]
+        return self.rotation.apply(xf)
+
+    def encode(self, x: mx.array) -> Dict[str, mx.array]:
+        """``(B, H, T, d)`` -> ``{"w_q": uint32 (B,H,T,d*bits/32), "scales"/"biases": (B,H,T,d/group)}``."""
+        check_heads("x", x, self.d)
+        w_q, scales, biases = mx.quantize(self.rotate(x), group_size=self.group_size, bits=self.bits)
+        return {"w_q": w_q, "scales": scales.astype(self.scale_dtype), "biases": biases.astype(self.scale_dtype)}
+
+    def decode_rotated(self, codes: Dict[str, mx.array]) -> mx.array:
+        """Stored arrays of n tokens -> float32 ``(B, H, n, d)`` reconstruction of ``Pi (x - mu)``."""
+        missing = [f for f in FIELDS if f not in codes]
+        if missing:
+            raise ValueError(f"codes must hold {FIELDS}, missing {missing}")
+        return mx.dequantize(codes["w_q"], f32(codes["scales"]), f32(codes["biases"]),
+                             group_size=self.group_size, bits=self.bits)
+
+    def decode(self, codes: Dict[str, mx.array], dtype) -> mx.array:
+        xf = self.rotation.invert(self.decode_rotated(codes))
+        if self.mean is not None:
+            xf = xf + self.mean[None, :, None, :]
+        return clamp_to(xf, dtype)
+
+    # -- attention on codes -----------------------------------------------------------------------
+    def decoded_offset(self) -> Optional[mx.array]:
+        return self.mean
+
+    def scores(self, q: mx.array, codes: Dict[str, mx.array], packed_rows: Optional[int] = None) -> mx.array:
+        q_rot = self.rotation.apply(q)
+        if packed_matmul_ok(q.shape[2], packed_rows, CPU_PACKED_ROWS_SCORES):
+            s = f32(mx.quantized_matmul(q_rot, codes["w_q"], codes["scales"], codes["biases"], transpose=True,
+                                        group_size=self.group_size, bits=self.bits))
+        else:  # many rows (prefill chunk): dequantize once in the rotated domain, score with BLAS
+            s = q_rot @ mx.swapaxes(self.decode_rotated(codes), -1, -2)
+        if self.mean is not None:  # q . mu: one number per query row
+            s = s + q @ mx.expand_dims(self.mean, -1)[None]
+        return s
+
+    def weighted_sum(self, p: mx.array, codes: Dict[str, mx.array], packed_rows: Optional[int] = None,
+                     with_offset: bool = True) -> mx.array:
+        if packed_matmul_ok(p.shape[2], packed_rows, CPU_PACKED_ROWS_VALUES):
+            o_rot = f32(mx.quantized_matmul(p, codes["w_q"], codes["scales"], codes["biases"], transpose=False,
+                                            group_size=self.group_size, bits=self.bits))
+        else:
+            o_rot = p @ self.decode_rotated(codes)
+        o = self.rotation.invert(o_rot)
+        if with_offset and self.mean is not None:
+            o = o + mx.sum(p, axis=-1, keepdims=True) * self.mean[None, :, None, :]
+        return o
+
+    def __repr__(self):
+        return (f"{type(self).__name__}(d={self.d}, bits={self.bits}, group_size={self.group_size}, seed={self.seed}, "
+                f"rotation={self.rotation_kind!r}, center={self.center}, scale_dtype={self.scale_dtype_name!r})")
