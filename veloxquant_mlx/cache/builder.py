@@ -94,6 +94,18 @@ def attention_is_routable(model) -> bool:
     return bool(holders) and not any(_calls_fast_sdpa_directly(n) for n in names)
 
 
+def _model_layout(model, max_kv_size: Optional[int]) -> List[Any]:
+    """The caches mlx_lm's ``make_prompt_cache`` gives ``model``, ignoring a ``make_cache`` that `enable` put on
+    the instance (ours: it would call back here) but honouring the class's own."""
+    own = getattr(type(model), "make_cache", None)
+    if own is not None:
+        return own(model)
+    n = len(model.layers)
+    if max_kv_size is not None:
+        return [mlx_cache.RotatingKVCache(max_size=max_kv_size, keep=4) for _ in range(n)]
+    return [mlx_cache.KVCache() for _ in range(n)]
+
+
 class KVCacheBuilder:
     """Makes fresh compressed caches for a model from one `CacheOptions`.
 
@@ -125,9 +137,14 @@ class KVCacheBuilder:
         if not hasattr(model, "layers"):
             raise TypeError(f"model must be an mlx_lm model with .layers, got {type(model).__name__}")
         check_int("max_kv_size", max_kv_size, 1, optional=True)
-        base = mlx_cache.make_prompt_cache(model, max_kv_size=max_kv_size)
+        base = _model_layout(model, max_kv_size)
         n_layers, head_dim = len(base), _model_head_dim(model)
         per_layer = [self.options.for_layer(i, n_layers, head_dim) for i in range(n_layers)]  # validates first
+        if head_dim is not None:  # a codec that cannot take this head_dim says so now, not at the first update
+            from veloxquant_mlx.codecs import codec_layout
+
+            for opts in {o.layer_options() for o in per_layer if o.kind == "packed"}:
+                codec_layout(opts.codec).keys.from_options(opts, "keys", head_dim)
         placeholders = attention_is_routable(model)
         return [self._convert(c, per_layer[i], placeholders) for i, c in enumerate(base)]
 

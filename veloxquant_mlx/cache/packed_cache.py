@@ -309,9 +309,10 @@ class TurboQuantPackedCache(_BaseCache):
     @classmethod
     def merge(cls, caches):
         raise ValueError(
-            f"{cls.__name__} does not support mlx_lm batch_generate with per-sequence prompt caches "
-            "(merging compressed caches into a batch cache is not implemented); run generate/stream_generate "
-            "per sequence, or call batch_generate without prompt_caches.")
+            f"{cls.__name__} cannot be batched yet (mlx_lm's batch_generate / BatchGenerator merge per-sequence "
+            "caches, and merging compressed caches into a batch cache is not implemented): generate one sequence at "
+            "a time (mlx_lm.generate / stream_generate), or batch with mlx_lm's own caches after "
+            "veloxquant_mlx.disable(model).")
 
     # -- bytes ------------------------------------------------------------------------------------
     def _stores(self):

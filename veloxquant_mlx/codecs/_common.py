@@ -29,9 +29,10 @@ def packed_matmul_ok(rows: int, packed_rows: Optional[int], cpu_crossover: int) 
 def finite_channel_mean(x: mx.array) -> mx.array:
     """Per-head channel mean ``(H, d)`` float32 of ``(B, H, T, d)`` over finite entries only: one NaN or inf
     coordinate in one token must not poison the statistics every later token is coded with."""
+    mean = mx.mean(x, axis=(0, 2))  # the plain mean wherever a channel is all finite (bit-exact as before)
     ok = mx.isfinite(x)
-    total = mx.sum(mx.where(ok, x, 0.0), axis=(0, 2))
-    return total / mx.maximum(mx.sum(ok.astype(mx.float32), axis=(0, 2)), 1.0)
+    finite = mx.sum(mx.where(ok, x, 0.0), axis=(0, 2)) / mx.maximum(mx.sum(ok.astype(mx.float32), axis=(0, 2)), 1.0)
+    return mx.where(mx.isfinite(mean), mean, finite)
 
 
 def clamp_to(x: mx.array, dtype) -> mx.array:

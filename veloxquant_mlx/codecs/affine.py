@@ -124,7 +124,12 @@ class AffineRotatedCodec(PerTokenLayout):
         """``(B, H, T, d)`` -> ``{"w_q": uint32 (B,H,T,d*bits/32), "scales"/"biases": (B,H,T,d/group)}``."""
         check_heads("x", x, self.d)
         w_q, scales, biases = mx.quantize(self.rotate(x), group_size=self.group_size, bits=self.bits)
-        return {"w_q": w_q, "scales": scales.astype(self.scale_dtype), "biases": biases.astype(self.scale_dtype)}
+        return {"w_q": w_q, "scales": self.store_scale(scales), "biases": self.store_scale(biases)}
+
+    def store_scale(self, s: mx.array) -> mx.array:
+        """Scales / biases in their storage dtype; clamped into float16's range (rotated coordinates of inputs
+        near ±65504 can exceed it), so a code never holds inf."""
+        return clamp_to(s, self.scale_dtype)
 
     def decode_rotated(self, codes: Dict[str, mx.array]) -> mx.array:
         """Stored arrays of n tokens -> float32 ``(B, H, n, d)`` reconstruction of ``Pi (x - mu)``."""

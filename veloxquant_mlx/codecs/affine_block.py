@@ -57,7 +57,7 @@ class AffineBlockKeyCodec(AffineRotatedCodec):
         if self.mean is not None:
             # Fold Pi mu back in: per channel c, every token of the group shares the offset (Pi mu)_c.
             biases = biases + self.rotation.apply(self.mean)[None, :, :, None]  # (1, H, d, 1)
-        return {"w_q": w_q, "scales": scales.astype(self.scale_dtype), "biases": biases.astype(self.scale_dtype)}
+        return {"w_q": w_q, "scales": self.store_scale(scales), "biases": self.store_scale(biases)}
 
     def check_codes(self, codes: Dict[str, mx.array], name: str) -> None:
         missing = [f for f in FIELDS if f not in codes]
