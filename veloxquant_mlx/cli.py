@@ -108,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--bits", type=_bits, default=None)
     g.add_argument("--max-tokens", type=_positive_int, default=128)
     g.add_argument("--raw", action="store_true", help="no chat template: continue the prompt text")
+    g.add_argument("--pipeline", action="store_true",
+                   help="under mlx.launch: split the layers over the ranks (default: tensor parallel, split heads)")
 
     e = sub.add_parser("eval", help="perplexity/KL, passkey retrieval or speed; JSON output")
     esub = e.add_subparsers(dest="eval_kind", metavar="KIND", parser_class=_Parser)
@@ -288,22 +290,36 @@ def cmd_demo(args) -> int:
 
 
 def cmd_generate(args) -> int:
+    import mlx.core as mx
     from mlx_lm import stream_generate
 
+    from .distributed import rank_summary, shard
     from .eval.memory import model_kv_shape
     from .eval.specs import resolve_spec
+    from .integration import enable
 
+    group = mx.distributed.init()  # one rank unless launched with mlx.launch
+    if args.pipeline and group.size() == 1:
+        raise CLIError("--pipeline splits the layers over the ranks of mlx.launch; this is a single process")
     model, tok = _load(args)
     spec = resolve_spec(args.method, args.bits, model_kv_shape(model)[2])
     ids = _chat_ids(tok, args.prompt, raw=args.raw)
     _check_context(model, len(ids) + args.max_tokens, "prompt plus --max-tokens")
-    cache = spec.make_cache(model)
-    last = None
+    shard(model, group, pipeline=args.pipeline)
+    cache = None
+    if spec.options is not None:
+        enable(model, spec.options)  # mlx_lm builds our caches itself and attends from their codes
+    else:
+        cache = spec.make_cache(model)
+    _say(f"[{spec.name}] {rank_summary(model, spec.make_cache, group)}")
+    leader, last = group.rank() == 0, None
     for resp in stream_generate(model, tok, ids, max_tokens=args.max_tokens, prompt_cache=cache, prefill_step_size=256):
-        print(resp.text, end="", flush=True)
+        if leader:
+            print(resp.text, end="", flush=True)
         last = resp
-    print()
-    if last is not None:
+    if leader:
+        print()
+    if last is not None and leader:
         _say(f"[{spec.name}] prompt {last.prompt_tokens} tok at {last.prompt_tps:.1f} tok/s, "
              f"generated {last.generation_tokens} tok at {last.generation_tps:.1f} tok/s")
     return 0

@@ -95,6 +95,18 @@ class TurboQuantPackedCache(_BaseCache):
         self.k_codes = self.v_codes = None  # the codecs' stores, made with the codecs
         self.sink_store = TokenStore(max(1, opts.sink))
         self.tail = TokenStore(max(16, opts.recent + opts.trim_headroom))
+        self._dependency = None  # see `keys`
+
+    # mlx_lm's pipeline-parallel models end a rank's forward pass with ``cache[-1].keys = mx.depends(
+    # cache[-1].keys, h)`` (the send of h must happen before the next step reads this cache): `keys` holds that
+    # dependency and the next update depends on it.
+    @property
+    def keys(self):
+        return mx.array(0.0) if self._dependency is None else self._dependency
+
+    @keys.setter
+    def keys(self, value):
+        self._dependency = value
 
     # -- the options, read-only -------------------------------------------------------------------
     k_bits = property(lambda self: self.options.k_bits)
@@ -201,6 +213,9 @@ class TurboQuantPackedCache(_BaseCache):
                 "the caches with veloxquant_mlx.make_prompt_cache(model, ...) (it detects such models) or pass "
                 "fetch_placeholders=False.")
         _check_pair(keys, values, *(self.dims or (self.options.head_dim, None)))
+        if self._dependency is not None:
+            keys, values = mx.depends([keys, values], [self._dependency])
+            self._dependency = None
         if self.dims is None:
             self._setup(keys.shape[-1], values.shape[-1])
         elif tuple(keys.shape[:2]) != self._heads():

