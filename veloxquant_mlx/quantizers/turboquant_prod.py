@@ -72,7 +72,7 @@ class TurboQuantProd:
             packed = mx.zeros((*xf.shape[:-1], 0), dtype=mx.uint32)
             r = self.rotation.apply(xf)
         proj = r @ self._qjl_t  # (..., m)
-        signs = pack((proj >= 0).astype(mx.uint8), 1)
+        signs = pack((proj >= 0).astype(mx.uint8), 1, check=False)
         return EncodedVector(quantizer_type=self.quantizer_type, dim=self.d, indices=packed, norms=stored,
                              signs=signs, residual_norm=safe_norm(r).astype(self.norm_dtype),
                              dtype_name=dtype_name)

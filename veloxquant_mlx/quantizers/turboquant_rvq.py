@@ -46,8 +46,8 @@ class TurboQuantRVQ:
         idx1 = quantize_to_codebook(y, self.codebook1)
         r = y - mx.take(self.codebook1.centroids, idx1.astype(mx.int32))
         idx2 = quantize_to_codebook(r, self.codebook2)
-        return EncodedVector(quantizer_type=self.quantizer_type, dim=self.d, indices=pack(idx1, self.b),
-                             norms=norms.astype(self.norm_dtype), indices2=pack(idx2, self.b),
+        return EncodedVector(quantizer_type=self.quantizer_type, dim=self.d, indices=pack(idx1, self.b, check=False),
+                             norms=norms.astype(self.norm_dtype), indices2=pack(idx2, self.b, check=False),
                              dtype_name=dtype_name)
 
     def decode_rotated(self, ev: EncodedVector) -> mx.array:
