@@ -64,9 +64,7 @@ class TurboQuantRVQKVCache(KVCache):
             )
         ev = self._quantizer.encode(keys)
         v_dtype = mx.bfloat16 if values.dtype == mx.bfloat16 else mx.float16
-        self._store.append(
-            {"indices": ev.indices, "indices2": ev.indices2, "norms": ev.norms, "values": values.astype(v_dtype)}
-        )
+        self._store.append({**ev.arrays(), "values": values.astype(v_dtype)})  # packed streams + norms
         self._compressed_key_bytes += ev.nbytes
         self._fp16_key_bytes += keys.size * 2
         self.offset += keys.shape[2]
