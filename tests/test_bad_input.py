@@ -169,3 +169,71 @@ def test_round_trip_still_continues_identically(tmp_path):
         ka, va = a.update_and_fetch(k, k)
         kb, vb = b.update_and_fetch(k, k)
         assert mx.array_equal(ka, kb) and mx.array_equal(va, vb)
+
+
+# --- the CLI ----------------------------------------------------------------------------------------
+def _one_line(err: str) -> str:
+    assert "Traceback" not in err
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("data", [b"", b"GGUF", os.urandom(400)])
+def test_cli_garbage_gguf_is_one_line(tmp_path, capsys, data):
+    from veloxquant_mlx.cli import main
+
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(data)
+    rc = main(["generate", "--model", str(bad), "--prompt", "hi", "--max-tokens", "1"])
+    line = _one_line(capsys.readouterr().err)
+    assert rc == 1 and "bad.gguf" in line and "GGUF" in line
+
+
+def test_truncated_embedded_gguf_is_a_value_error_naming_it(tmp_path):
+    from veloxquant_mlx.models import load_model
+    from veloxquant_mlx.models.loader import ModelPackageMissing, embedded_gguf_path
+
+    try:
+        src = embedded_gguf_path()
+    except ModelPackageMissing:
+        pytest.skip("embedded model package not installed")
+    part = tmp_path / "part.gguf"
+    with open(src, "rb") as f:
+        part.write_bytes(f.read(3_000_000))  # header and metadata whole, tensor data cut
+    with pytest.raises(ValueError, match="part.gguf"):
+        load_model(str(part))
+
+
+@pytest.mark.parametrize("argv_tail", [["demo"], ["eval", "ppl"], ["eval", "speed"]])
+@pytest.mark.parametrize("where", ["under_a_file", "a_directory"])
+def test_cli_unwritable_out_refused_before_any_work(tmp_path, capsys, monkeypatch, argv_tail, where):
+    import veloxquant_mlx.cli as cli
+
+    def no_work(args):
+        raise AssertionError("the model was loaded although --out cannot be written")
+
+    monkeypatch.setattr(cli, "_load", no_work)
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("x")
+    out = str(blocker / "sub" / "r.json") if where == "under_a_file" else str(tmp_path)
+    rc = cli.main(argv_tail + ["--out", out])
+    line = _one_line(capsys.readouterr().err)
+    assert rc != 0 and "--out" in line
+
+
+def test_cli_unwritable_plot_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    import veloxquant_mlx.cli as cli
+
+    monkeypatch.setattr(cli, "_load", lambda args: (_ for _ in ()).throw(AssertionError("loaded")))
+    rc = cli.main(["eval", "ppl", "--plot", str(tmp_path)])
+    assert rc != 0 and "--plot" in _one_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("value", ["nan", "NaN", "inf", "-inf", "-1", "0", "x"])
+def test_cli_plan_ram_gb_must_be_finite_positive(capsys, value):
+    from veloxquant_mlx.cli import main
+
+    rc = main(["plan", "--layers", "30", "--kv-heads", "3", "--head-dim", "64", f"--ram-gb={value}"])
+    line = _one_line(capsys.readouterr().err)
+    assert rc == 2 and "--ram-gb" in line and "positive number" in line
