@@ -140,6 +140,7 @@ def run(args) -> dict:
     fit_ok = all(s_["on_line"] for s_ in samples)
     for s in samples:
         s["peak_over_kv"] = s["peak_minus_model"] / s["kv_bytes"] if s["kv_bytes"] else float("inf")
+        s["transient_bytes"] = s["peak_minus_model"] - s["kv_bytes"]  # activations, logits, attention scratch
         s["peak_ok"] = s["peak_over_kv"] <= 1.0 + args.peak_tol
     return {
         "method": spec.name, "model": args.model, "tokens": args.tokens, "every": args.every,
@@ -163,10 +164,11 @@ def _print(r: dict) -> None:
           f"model {r['model_bytes'] / mib:.1f} MiB; configuration {r['config_bytes_per_token']:.1f} B/token "
           f"({r['n_layers']} layers x {r['kv_heads']} kv heads x head_dim {r['head_dim']})")
     head = ["generated", "in cache", "KV MiB (held)", "KV MiB (live)", "line MiB", "on line", "peak-model MiB",
-            "peak-model / KV", "peak ok"]
+            "transient MiB", "peak-model / KV", "peak ok"]
     rows = [[str(s["generated"]), str(s["tokens_in_cache"]), f"{s['kv_bytes'] / mib:.2f}",
              f"{s['kv_live_bytes'] / mib:.2f}", f"{s['config_line_bytes'] / mib:.2f}", "yes" if s["on_line"] else "NO",
-             f"{s['peak_minus_model'] / mib:.2f}", f"{s['peak_over_kv']:.3f}", "yes" if s["peak_ok"] else "NO"]
+             f"{s['peak_minus_model'] / mib:.2f}", f"{s['transient_bytes'] / mib:.2f}", f"{s['peak_over_kv']:.3f}",
+             "yes" if s["peak_ok"] else "NO"]
             for s in r["samples"]]
     w = [max(len(h), *(len(x[i]) for x in rows)) for i, h in enumerate(head)]
     print("  ".join(h.rjust(k) for h, k in zip(head, w)))
