@@ -26,7 +26,6 @@ def test_defaults_and_value_bits():
     ({"v_bits": 0}, ValueError, "v_bits"), ({"v_bits": 9}, ValueError, "v_bits"),
     ({"head_dim": 0}, ValueError, "head_dim"), ({"head_dim": 64.0}, TypeError, "head_dim"),
     ({"head_dim": "64"}, TypeError, "head_dim"), ({"jl_dim": 0, "method": "turboquant_prod"}, ValueError, "jl_dim"),
-    ({"jl_dim": 64}, ValueError, "jl_dim"),
     ({"seed": -1}, ValueError, "seed"), ({"seed": 1.5}, TypeError, "seed"),
     ({"rotation": "givens"}, ValueError, "rotation"), ({"capacity": 0}, ValueError, "capacity"),
     ({"n_outlier_channels": -1}, ValueError, "n_outlier_channels"),

@@ -24,7 +24,7 @@ def test_finds_planted_channels():
     det = OutlierDetector(n_outliers=4, n_calib=128)
     det.observe(mx.array(x))
     assert det.is_calibrated
-    got = det.get_outlier_channels()
+    got = det.get_outlier_channels().tolist()
     assert got == planted
     assert all(type(j) is int for j in got)
 
@@ -37,7 +37,7 @@ def test_statistic_is_rms_not_mean_abs():
     x[:, 1] = 6.0
     det = OutlierDetector(n_outliers=1, n_calib=4)
     det.observe(x)
-    assert det.get_outlier_channels() == [0]
+    assert det.get_outlier_channels().tolist() == [0]
     np.testing.assert_allclose(det.channel_rms()[:2], [10.0, 6.0], rtol=1e-6)
 
 
@@ -57,9 +57,9 @@ def test_only_first_n_calib_rows_count_and_choice_is_then_fixed():
     tail[11:, [7, 9]] = 1e4
     det.observe(tail)
     assert det.is_calibrated and det.n_observed == 16
-    assert det.get_outlier_channels() == [2, 3]
+    assert det.get_outlier_channels().tolist() == [2, 3]
     det.observe(np.full((8, 32), 1e5, dtype=np.float32))
-    assert det.get_outlier_channels() == [2, 3]
+    assert det.get_outlier_channels().tolist() == [2, 3]
 
 
 def test_reset_starts_over():
@@ -67,19 +67,19 @@ def test_reset_starts_over():
     x = np.zeros((2, 4), dtype=np.float32)
     x[:, 1] = 3.0
     det.observe(x)
-    assert det.get_outlier_channels() == [1]
+    assert det.get_outlier_channels().tolist() == [1]
     det.reset()
     assert not det.is_calibrated and det.n_observed == 0
     y = np.zeros((2, 4), dtype=np.float32)
     y[:, 2] = 3.0
     det.observe(y)
-    assert det.get_outlier_channels() == [2]
+    assert det.get_outlier_channels().tolist() == [2]
 
 
 def test_zero_outliers_calibrates_to_empty():
     det = OutlierDetector(n_outliers=0, n_calib=3)
     det.observe(np.ones((3, 4), dtype=np.float32))
-    assert det.is_calibrated and det.get_outlier_channels() == []
+    assert det.is_calibrated and det.get_outlier_channels().tolist() == []
 
 
 @pytest.mark.parametrize(
@@ -132,4 +132,4 @@ def test_matches_reference_for_any_blocking(d, n_calib, blocks, seed):
         start += n
     assert det.is_calibrated == (len(rows) >= n_calib)
     if det.is_calibrated:
-        assert det.get_outlier_channels() == _reference(rows, n_out, n_calib)
+        assert det.get_outlier_channels().tolist() == _reference(rows, n_out, n_calib)

@@ -75,7 +75,8 @@ def test_prod_decode_consistent_and_unbiased_vector(unit_vectors):
                                atol=2e-4)
     assert quant.qjl_matrix.shape == (quant.m, d)
     assert TurboQuantProd.m_default(d, 3) == d == quant.m
-    assert ev.signs.shape == (2000, 2) and ev.residual_norm.shape == (2000,)
+    assert ev.arrays()["signs"].shape == (2000, 2) and ev.residual_norm.shape == (2000,)  # packed words
+    assert ev.signs.shape == (2000, d)  # the seed's view: m = d values
 
 
 def test_rvq_beats_mse(unit_vectors):
@@ -239,3 +240,59 @@ def test_inner_product_contract(name, d, b, lead, n, m):
     ref = q @ mx.swapaxes(quant.decode(ev), -1, -2)
     np.testing.assert_allclose(np.array(s), np.array(ref), rtol=1e-3, atol=1e-3 * (1 + float(mx.max(mx.abs(ref)))))
     assert np.all(np.isfinite(np.array(s)))
+
+
+# --- issue 15: float16 norms and the float16 range on decode -----------------------------------------
+@pytest.mark.parametrize("cls", [TurboQuantMSE, TurboQuantProd, TurboQuantRVQ])
+@pytest.mark.parametrize("scale", [1e5, 1e-9])
+def test_float16_norms_refuse_what_float16_cannot_hold(cls, scale):
+    d = 32
+    x = mx.array(np.random.default_rng(0).standard_normal((4, d)).astype(np.float32))
+    x = x / mx.sqrt(mx.sum(x * x, axis=-1, keepdims=True)) * scale
+    with pytest.raises(ValueError, match="norm_dtype"):
+        cls(d, 3, norm_dtype="float16").encode(x)
+    # the default (bfloat16) stores both safely and decodes to the right scale
+    q = cls(d, 3)
+    ev = q.encode(x)
+    got = np.linalg.norm(np.array(q.decode(ev), dtype=np.float64), axis=-1)
+    assert np.all(np.isfinite(got)) and np.all(got > 0.5 * scale) and np.all(got < 1.5 * scale)
+
+
+@settings(max_examples=25, deadline=None)
+@given(scale=st.floats(6.2e-5, 6.0e4), seed=st.integers(0, 2 ** 31))
+def test_float16_norms_in_range_are_stored(scale, seed):
+    d = 16
+    x = np.random.default_rng(seed).standard_normal((3, d)).astype(np.float32)
+    x = x / np.linalg.norm(x, axis=-1, keepdims=True) * scale
+    ev = TurboQuantMSE(d, 2, norm_dtype="float16").encode(mx.array(x))
+    stored = np.array(ev.norms.astype(mx.float32))
+    np.testing.assert_allclose(stored, np.linalg.norm(x, axis=-1), rtol=2e-3)
+
+
+def test_float16_zero_vector_is_fine_with_float16_norms():
+    ev = TurboQuantMSE(16, 2, norm_dtype="float16").encode(mx.zeros((2, 16)))
+    assert np.all(np.array(ev.norms) == 0)
+
+
+@pytest.mark.parametrize("cls", [TurboQuantMSE, TurboQuantProd, TurboQuantRVQ])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_decode_near_float16_max_stays_finite(cls, dtype):
+    d = 64
+    rng = np.random.default_rng(7)
+    # coordinates at +-65504 (float16's max): any reconstruction overshoot would round to inf
+    x = (np.sign(rng.standard_normal((50, d))) * 65504.0).astype(np.float32)
+    x[:, :3] = rng.uniform(-65504, 65504, size=(50, 3))
+    xin = mx.array(x).astype(dtype)
+    q = cls(d, 2)
+    out = q.decode(q.encode(xin))
+    assert out.dtype == dtype
+    o = np.array(out.astype(mx.float32))
+    assert np.all(np.isfinite(o))
+    if dtype == mx.float16:
+        assert np.max(np.abs(o)) <= 65504.0
+
+
+def test_decode_keeps_nan_visible():
+    q = TurboQuantMSE(16, 2)
+    x = mx.array(np.full((1, 16), np.nan, dtype=np.float32)).astype(mx.float16)
+    assert np.all(np.isnan(np.array(q.decode(q.encode(x)).astype(mx.float32))))

@@ -126,3 +126,125 @@ def test_generation_through_mlx_lm_mask_and_sdpa():
     assert ours[0].make_mask(1) is None and ours[0].make_mask(3) == "causal"
     step = mx.array([[4]])
     assert model(step, cache=ours).shape == (1, 1, 128) and ours[0].offset == 7
+
+
+# --- issue 15: states that do not add up, bad trims, shape changes ------------------------------------
+import json  # noqa: E402
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+def _filled(T=7, b=2):
+    cache = make(b)
+    cache.update_and_fetch(*kv(T=T))
+    return cache
+
+
+def test_seed_meta_state_offset_must_match_the_arrays():
+    cache = _filled(7)
+    meta = cache.meta_state
+    for bad in ("999", "6", "8"):
+        with pytest.raises(ValueError, match="offset"):
+            TurboQuantRVQKVCache.from_state(cache.state[:4], meta[:3] + (bad,))
+    for bad in ("-1", "x", "2.5", None):
+        with pytest.raises(ValueError, match="offset"):
+            TurboQuantRVQKVCache.from_state(cache.state[:4], meta[:3] + (bad,))
+    with pytest.raises(ValueError, match="meta_state"):
+        TurboQuantRVQKVCache.from_state(cache.state[:4], meta[:3])
+
+
+def test_tampered_bits_refused_by_the_word_count():
+    cache = _filled(7, b=4)  # d=32, 4 bits: 4 words per stream; 2 bits would be 2 words
+    meta = cache.meta_state
+    with pytest.raises(ValueError, match="indices"):
+        TurboQuantRVQKVCache.from_state(cache.state[:4], (meta[0], "2", meta[2], meta[3]))
+    m = json.loads(cache.state[4])
+    m["config"]["bit_width_inlier"] = 2
+    with pytest.raises(ValueError, match="config_digest"):
+        TurboQuantRVQKVCache.from_state(cache.state[:4] + (json.dumps(m),))
+    del m["config_digest"]  # without the checksum the word count still catches it
+    with pytest.raises(ValueError, match="indices"):
+        TurboQuantRVQKVCache.from_state(cache.state[:4] + (json.dumps(m),))
+
+
+def test_tampered_offset_in_the_json_meta():
+    cache = _filled(7)
+    m = json.loads(cache.state[4])
+    for bad in (107, -1, "7", 7.0):
+        m["offset"] = bad
+        with pytest.raises(ValueError, match="offset"):
+            TurboQuantRVQKVCache.from_state(cache.state[:4] + (json.dumps(m),))
+
+
+@pytest.mark.parametrize("i,field", list(enumerate(("indices", "indices2", "norms", "values"))))
+def test_missing_or_wrong_shaped_array_named(i, field):
+    cache = _filled(7)
+    st_ = list(cache.state)
+    missing = st_[:i] + [None] + st_[i + 1:]
+    with pytest.raises(ValueError, match=field):
+        TurboQuantRVQKVCache.from_state(tuple(missing))
+    a = st_[i]
+    for bad in (a[:, :, :5], a[:1, :1], a.astype(mx.int32)):
+        shaped = st_[:i] + [bad] + st_[i + 1:]
+        with pytest.raises(ValueError, match=field):
+            TurboQuantRVQKVCache.from_state(tuple(shaped))
+    with pytest.raises(TypeError, match=field):
+        TurboQuantRVQKVCache.from_state(tuple(st_[:i] + [[1, 2, 3]] + st_[i + 1:]))
+
+
+@pytest.mark.parametrize("state,err,word", [
+    (5, TypeError, "state"), ("abc", TypeError, "state"), ((1, 2), ValueError, "state"),
+    ((None, None, None, None, "x"), ValueError, "JSON"),
+    ((None, None, None, None, '{"meta": "x"}'), ValueError, "config"),
+    ((None, None, None, None, '[1]'), ValueError, "config"),
+])
+def test_from_state_garbage_named(state, err, word):
+    with pytest.raises(err, match=word):
+        TurboQuantRVQKVCache.from_state(state)
+
+
+def test_empty_state_round_trips_and_claims_no_tokens():
+    cache = make()
+    again = TurboQuantRVQKVCache.from_state(cache.state)
+    assert again.offset == 0 and again.empty()
+    m = json.loads(cache.state[4])
+    m["offset"] = 3
+    with pytest.raises(ValueError, match="offset"):
+        TurboQuantRVQKVCache.from_state(cache.state[:4] + (json.dumps(m),))
+
+
+@pytest.mark.parametrize("n,err", [(-1, ValueError), (2.5, TypeError), ("2", TypeError), (None, TypeError),
+                                   (True, TypeError)])
+def test_trim_refuses_non_counts(n, err):
+    cache = _filled(7)
+    with pytest.raises(err, match="n must be an int"):
+        cache.trim(n)
+    assert cache.offset == 7 and cache._store.length == 7
+
+
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(0, 20))
+def test_trim_valid_counts(n):
+    cache = _filled(7)
+    assert cache.trim(n) == min(n, 7) and cache.offset == 7 - min(n, 7)
+    assert cache.trim(np.int64(0)) == 0
+
+
+def test_batch_or_head_change_between_updates_is_a_clear_error():
+    cache = _filled(4)
+    for B, H in ((2, 2), (1, 1)):
+        with pytest.raises(ValueError, match="batch"):
+            cache.update_and_fetch(*kv(B=B, H=H, T=1))
+    k, v = kv(T=1)
+    with pytest.raises(ValueError, match="value dim"):
+        cache.update_and_fetch(k, mx.concatenate([v, v], axis=-1))
+    assert cache.offset == 4
+    assert cache.update_and_fetch(*kv(T=1))[0].shape == (1, 2, 5, D)
+
+
+def test_first_update_with_zero_tokens_is_a_clear_error():
+    cache = make()
+    with pytest.raises(ValueError, match="keys must hold at least one token"):
+        cache.update_and_fetch(*kv(T=0))
+    assert cache.empty()

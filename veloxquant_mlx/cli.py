@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -33,8 +34,8 @@ def _positive(convert, what: str):
             v = convert(s)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {what}, got {s!r}")
-        if v <= 0:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {s!r}")
+        if not (v > 0 and math.isfinite(v)):  # also refuses nan and inf
+            raise argparse.ArgumentTypeError(f"expected {what} (finite), got {s!r}")
         return v
 
     return parse
@@ -196,6 +197,23 @@ def _with_reference(specs):
     return specs if any(s.name == ref.name for s in specs) else [ref] + list(specs)
 
 
+def _check_writable(path: Optional[str], flag: str) -> None:
+    """Fail before any work when ``path`` cannot be written: it is a directory, or its nearest existing
+    ancestor is not a writable directory (the folders below it would be created by `_write_json`)."""
+    if not path:
+        return
+    full = os.path.abspath(path)
+    if os.path.isdir(full):
+        raise CLIError(f"{flag} {path!r} is a directory")
+    if os.path.exists(full) and not os.access(full, os.W_OK):
+        raise CLIError(f"{flag} {path!r} is not writable")
+    parent = os.path.dirname(full)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise CLIError(f"{flag} {path!r} cannot be written: {parent!r} is not a writable directory")
+
+
 def _write_json(path: Optional[str], data) -> None:
     if not path:
         return
@@ -252,6 +270,7 @@ def cmd_demo(args) -> int:
     from .eval import corpus_tokens, perplexity_eval
     from .eval.forward import greedy_decode, prefill
 
+    _check_writable(args.out, "--out")
     model, tok = _load(args)
     _check_context(model, args.context, "--context")
     specs = _with_reference(_select_specs(model, args.methods))
@@ -328,9 +347,11 @@ def cmd_generate(args) -> int:
 def cmd_eval(args) -> int:
     from .eval import corpus_tokens, passkey_eval, perplexity_eval, speed_eval
 
+    if args.plot and args.eval_kind != "ppl":
+        raise CLIError("--plot is only available for `eval ppl`")
+    _check_writable(args.out, "--out")
+    _check_writable(args.plot, "--plot")
     if args.plot:
-        if args.eval_kind != "ppl":
-            raise CLIError("--plot is only available for `eval ppl`")
         _require_matplotlib()
     model, tok = _load(args)
     specs = _select_specs(model, args.methods)
@@ -428,7 +449,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             with use_packed_attention():
                 return COMMANDS[args.command](args)
         return COMMANDS[args.command](args)
-    except (CLIError, ValueError, TypeError, FileNotFoundError, ModelPackageMissing, CorpusMissing) as e:
+    except (CLIError, ValueError, TypeError, OSError, ModelPackageMissing, CorpusMissing) as e:
         msg = str(e)
         print(msg if msg.startswith("veloxquant") else f"veloxquant: error: {msg}", file=sys.stderr)
         return e.code if isinstance(e, CLIError) else 1

@@ -43,7 +43,9 @@ class KVCacheConfig:
         head_dim: per-head dimension d (> 0); caches that need it raise when it is None.
         bit_width_inlier: key bits per coordinate, 1..8.
         v_bits: value bits 1..8 for caches that compress values; None = bit_width_inlier.
-        jl_dim: QJL sketch length m (>= 1), only with method "turboquant_prod"; None = its default (d).
+        jl_dim: QJL sketch length m (>= 1), read only by method "turboquant_prod"; None = its default (d).
+            Accepted and without effect for the other methods (the seed's standalone cache took it for
+            any method and ignored it for MSE).
         seed: rotation / sketch seed (int >= 0).
         rotation: "haar" or "hadamard".
         capacity: ring-buffer size of the standalone cache (> 0); None = unbounded.
@@ -101,9 +103,6 @@ class KVCacheConfig:
             raise TypeError("KVCacheConfig.enable_outlier_two_stream must be a bool, got "
                             f"{type(self.enable_outlier_two_stream).__name__} ({self.enable_outlier_two_stream!r})")
         self.enable_outlier_two_stream = bool(self.enable_outlier_two_stream)
-        if self.jl_dim is not None and self.method != "turboquant_prod":
-            raise ValueError(f"KVCacheConfig.jl_dim (QJL sketch length) only applies to method='turboquant_prod', "
-                             f"got jl_dim={self.jl_dim} with method={self.method!r}; leave it None")
         if self.head_dim is not None:
             if self.n_outlier_channels >= self.head_dim:
                 raise ValueError(f"KVCacheConfig.n_outlier_channels must be < head_dim={self.head_dim}, "

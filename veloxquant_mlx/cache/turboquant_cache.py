@@ -169,7 +169,7 @@ class TurboQuantKVCache(KVCache):
         """The split-off key channels once calibrated, else None."""
         if self._detector is None or not self._detector.is_calibrated:
             return None
-        return self._detector.get_outlier_channels()
+        return self._detector.get_outlier_channels().tolist()
 
     def _live(self, n_total: int) -> int:
         return n_total if self.capacity is None else min(n_total, self.capacity)
@@ -280,7 +280,7 @@ class TurboQuantKVCache(KVCache):
         mx.eval(*self._k.values(), *self._v.values())
 
     def _start_split(self) -> None:
-        channels = self._detector.get_outlier_channels()
+        channels = self._detector.get_outlier_channels().tolist()
         embed = mx.zeros((len(channels), self.d), dtype=mx.float32)
         embed[mx.arange(len(channels)), mx.array(channels)] = 1.0
         self._outlier_embed = embed  # (n_out, d)

@@ -16,6 +16,7 @@ is :class:`veloxquant_mlx.cache.packed_cache.TurboQuantPackedCache`. Like it, th
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 from typing import Any, Optional
 
@@ -27,6 +28,59 @@ from veloxquant_mlx.validate import check_heads
 from veloxquant_mlx.cache._token_store import TokenStore
 
 _FIELDS = ("indices", "indices2", "norms", "values")
+_FLOATS = (mx.float16, mx.bfloat16, mx.float32)
+
+
+def _config_digest(config_dict: dict) -> str:
+    """A short checksum of the config as saved: a state whose config was edited afterwards is refused."""
+    return hashlib.sha256(json.dumps(config_dict, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def check_trim_count(n) -> int:
+    """``trim``'s argument as an int >= 0, or TypeError/ValueError naming ``n``."""
+    import numpy as np
+
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+        raise TypeError(f"trim(n): n must be an int >= 0 (tokens to drop), got {type(n).__name__} ({n!r})")
+    if n < 0:
+        raise ValueError(f"trim(n): n must be an int >= 0 (tokens to drop), got {n}")
+    return int(n)
+
+
+def _check_state_arrays(arrays: dict, head_dim: int, bits: int, offset: int) -> None:
+    """Refuse stored arrays that do not add up to ``offset`` tokens of this config; names the array."""
+    from veloxquant_mlx.dsa.bit_pack import packed_words
+
+    present = [f for f in _FIELDS if arrays.get(f) is not None]
+    if not present:
+        if offset != 0:
+            raise ValueError(f"TurboQuantRVQKVCache state: offset={offset} but no arrays are stored")
+        return
+    missing = [f for f in _FIELDS if arrays.get(f) is None]
+    if missing:
+        raise ValueError(f"TurboQuantRVQKVCache state: array(s) {missing} missing (a state holds {list(_FIELDS)})")
+    for f in _FIELDS:
+        if not isinstance(arrays[f], mx.array):
+            raise TypeError(f"TurboQuantRVQKVCache state: array {f!r} must be an mx.array, got {type(arrays[f]).__name__}")
+    words = packed_words(head_dim, bits)
+    idx = arrays["indices"]
+    if idx.ndim != 4 or idx.dtype != mx.uint32 or idx.shape[-1] != words:
+        raise ValueError(
+            f"TurboQuantRVQKVCache state: array 'indices' must be (B, H, T, {words}) uint32 for head_dim={head_dim}, "
+            f"bits={bits}; got {tuple(idx.shape)} {idx.dtype}")
+    B, H, T = idx.shape[:3]
+    expect = {"indices2": ((B, H, T, words), (mx.uint32,)), "norms": ((B, H, T), _FLOATS)}
+    for f, (shape, dtypes) in expect.items():
+        a = arrays[f]
+        if tuple(a.shape) != shape or a.dtype not in dtypes:
+            raise ValueError(f"TurboQuantRVQKVCache state: array {f!r} must be {shape} {dtypes[0]}, "
+                             f"got {tuple(a.shape)} {a.dtype}")
+    v = arrays["values"]
+    if v.ndim != 4 or tuple(v.shape[:3]) != (B, H, T) or v.dtype not in _FLOATS:
+        raise ValueError(f"TurboQuantRVQKVCache state: array 'values' must be ({B}, {H}, {T}, d_v) float, "
+                         f"got {tuple(v.shape)} {v.dtype}")
+    if T != offset:
+        raise ValueError(f"TurboQuantRVQKVCache state: offset={offset} but the arrays hold {T} tokens")
 
 
 class TurboQuantRVQKVCache(KVCache):
@@ -63,11 +117,18 @@ class TurboQuantRVQKVCache(KVCache):
             raise ValueError(
                 f"keys and values must agree on (B, H, T): keys {tuple(keys.shape)}, values {tuple(values.shape)}"
             )
+        if keys.shape[2] == 0:
+            raise ValueError(f"keys must hold at least one token (T >= 1), got shape {tuple(keys.shape)}")
+        if self._store.buffers:
+            held = self._store.buffers["values"]
+            if tuple(keys.shape[:2]) != tuple(held.shape[:2]) or values.shape[-1] != held.shape[-1]:
+                raise ValueError(
+                    f"keys/values of shape {tuple(keys.shape)}/{tuple(values.shape)} do not continue this cache: "
+                    f"it holds batch B={held.shape[0]}, heads H={held.shape[1]}, value dim {held.shape[-1]} "
+                    "(a new sequence or batch needs a new cache)")
         ev = self._quantizer.encode(keys)
         v_dtype = mx.bfloat16 if values.dtype == mx.bfloat16 else mx.float16
-        self._store.append(
-            {"indices": ev.indices, "indices2": ev.indices2, "norms": ev.norms, "values": values.astype(v_dtype)}
-        )
+        self._store.append({**ev.arrays(), "values": values.astype(v_dtype)})  # packed streams + norms
         self._compressed_key_bytes += ev.nbytes
         self._fp16_key_bytes += keys.size * 2
         self.offset += keys.shape[2]
@@ -99,7 +160,7 @@ class TurboQuantRVQKVCache(KVCache):
 
     def trim(self, n: int) -> int:
         """Drop the ``n`` most recently added tokens; returns how many were dropped."""
-        n = self._store.trim(n)
+        n = self._store.trim(check_trim_count(n))
         self.offset -= n
         return n
 
@@ -149,8 +210,10 @@ class TurboQuantRVQKVCache(KVCache):
         return new
 
     def _meta(self) -> dict:
+        config = self.config.to_dict()
         return {
-            "config": self.config.to_dict(),
+            "config": config,
+            "config_digest": _config_digest(config),
             "offset": self.offset,
             "compressed_key_bytes": self._compressed_key_bytes,
             "fp16_key_bytes": self._fp16_key_bytes,
@@ -176,26 +239,81 @@ class TurboQuantRVQKVCache(KVCache):
     @classmethod
     def from_state(cls, state, meta_state: Optional[Any] = None) -> "TurboQuantRVQKVCache":
         """Rebuild from ``state`` (5 entries, as written by `state`), or from the seed's 4-entry
-        ``state`` plus its ``meta_state`` ``(head_dim, bits, seed, offset)``."""
+        ``state`` plus its ``meta_state`` ``(head_dim, bits, seed, offset)``.
+
+        A state that does not add up is refused with ValueError/TypeError naming the array or field:
+        missing or wrong-shaped arrays, word counts that do not match head_dim and bits, an offset other
+        than the stored token count, an edited config (its checksum), unparsable metadata.
+        """
         from veloxquant_mlx.config import KVCacheConfig
 
+        if not isinstance(state, (tuple, list)):
+            raise TypeError("TurboQuantRVQKVCache.from_state: state must be a tuple (indices, indices2, norms, "
+                            f"values, meta), got {type(state).__name__}")
         state = tuple(state)
         if len(state) == 5 and isinstance(state[4], str):
-            meta = json.loads(state[4])
+            meta = cls._parse_meta(state[4])
             config = KVCacheConfig.from_dict(meta["config"])
         elif len(state) == 4 and meta_state is not None:
-            head_dim, bits, seed, offset = (int(x) for x in meta_state)
-            config = KVCacheConfig(method="turboquant_rvq", head_dim=head_dim, bit_width_inlier=bits, seed=seed)
-            meta = {"offset": offset}
+            config, meta = cls._parse_meta_state(meta_state)
         else:
             raise ValueError(
-                "TurboQuantRVQKVCache.from_state expects (indices, indices2, norms, values, meta) or the "
-                "4-entry state together with meta_state"
+                "TurboQuantRVQKVCache.from_state expects state = (indices, indices2, norms, values, meta) or the "
+                f"4-entry state together with meta_state; got a state of {len(state)} entries"
+                + ("" if meta_state is not None or len(state) != 4 else " and no meta_state")
             )
+        arrays = dict(zip(_FIELDS, state[:4]))
+        _check_state_arrays(arrays, config.head_dim, config.bit_width_inlier, meta["offset"])
         cache = cls(config)
-        arrays = {f: a for f, a in zip(_FIELDS, state[:4]) if a is not None}
-        cache._store = TokenStore.from_arrays(arrays, cls.step)
-        cache.offset = int(meta["offset"])
-        cache._compressed_key_bytes = int(meta.get("compressed_key_bytes", 0))
-        cache._fp16_key_bytes = int(meta.get("fp16_key_bytes", 0))
+        cache._store = TokenStore.from_arrays({f: a for f, a in arrays.items() if a is not None}, cls.step)
+        cache.offset = meta["offset"]
+        cache._compressed_key_bytes = meta["compressed_key_bytes"]
+        cache._fp16_key_bytes = meta["fp16_key_bytes"]
         return cache
+
+    @staticmethod
+    def _parse_meta(text: str) -> dict:
+        """The JSON meta entry of a 5-entry state, checked field by field."""
+        try:
+            meta = json.loads(text)
+        except (ValueError, RecursionError) as e:
+            raise ValueError(f"TurboQuantRVQKVCache state: the meta entry is not valid JSON ({e})") from None
+        if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict):
+            raise ValueError("TurboQuantRVQKVCache state: the meta entry must be a JSON object with a 'config' object")
+        digest = meta.get("config_digest")
+        if digest is not None and digest != _config_digest(meta["config"]):
+            raise ValueError("TurboQuantRVQKVCache state: meta 'config' does not match its config_digest "
+                             "(the saved configuration was changed)")
+        if meta["config"].get("method") != "turboquant_rvq" or meta["config"].get("head_dim") is None:
+            raise ValueError("TurboQuantRVQKVCache state: meta 'config' must have method 'turboquant_rvq' and a "
+                             f"head_dim, got method={meta['config'].get('method')!r}, "
+                             f"head_dim={meta['config'].get('head_dim')!r}")
+        for key in ("offset", "compressed_key_bytes", "fp16_key_bytes"):
+            v = meta.get(key, 0)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"TurboQuantRVQKVCache state: meta {key!r} must be an int >= 0, got {v!r}")
+            meta[key] = v
+        return meta
+
+    @staticmethod
+    def _parse_meta_state(meta_state):
+        """The seed's ``(head_dim, bits, seed, offset)`` strings -> (config, meta)."""
+        from veloxquant_mlx.config import KVCacheConfig
+
+        names = ("head_dim", "bits", "seed", "offset")
+        if not isinstance(meta_state, (tuple, list)) or len(meta_state) != 4:
+            raise ValueError(f"TurboQuantRVQKVCache.from_state: meta_state must be 4 strings {names}, "
+                             f"got {meta_state!r:.100}")
+        vals = {}
+        for name, x in zip(names, meta_state):
+            try:
+                vals[name] = int(x)
+            except (TypeError, ValueError):
+                raise ValueError(f"TurboQuantRVQKVCache.from_state: meta_state {name} must be an integer string, "
+                                 f"got {x!r:.40}") from None
+            if isinstance(x, float) or vals[name] < 0:
+                raise ValueError(f"TurboQuantRVQKVCache.from_state: meta_state {name} must be an integer >= 0, "
+                                 f"got {x!r:.40}")
+        config = KVCacheConfig(method="turboquant_rvq", head_dim=vals["head_dim"], bit_width_inlier=vals["bits"],
+                               seed=vals["seed"])
+        return config, {"offset": vals["offset"], "compressed_key_bytes": 0, "fp16_key_bytes": 0}

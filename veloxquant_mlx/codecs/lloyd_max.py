@@ -34,7 +34,7 @@ def get_quantizer(method: str, d: int, bits: int, seed: int, rotation: str, jl_d
     if method not in QUANTIZERS:
         raise ValueError(f"method must be one of {sorted(QUANTIZERS)}, got {method!r}")
     kwargs = {"seed": seed, "rotation": rotation}
-    if jl_dim is not None:  # only TurboQuantProd has an m
+    if jl_dim is not None and method == "turboquant_prod":  # only Prod has an m; others ignore jl_dim
         kwargs["m"] = jl_dim
     return QUANTIZERS[method](d, bits, **kwargs)
 

@@ -8,6 +8,10 @@ the 3/5/6-bit widths where values straddle word boundaries.
 Vectorized: a row is cut into groups of g = 32 / gcd(32, b) values that fill exactly w = g*b/32
 words. Precomputed tables say, for every word of a group, which values touch it and by how much to
 shift them; packing is then one gather, shifts and a sum (the bit fields are disjoint, so sum == or).
+
+`BitPackBuffer` is the seed's byte layout of the same stream: ``(..., ceil(n*b/8))`` uint8, stream bit i
+is bit i % 8 of byte i // 8. Those bytes are the little-endian bytes of the words, cut to whole bytes, so
+it reuses `pack` / `unpack` and a reinterpreting view.
 """
 from __future__ import annotations
 
@@ -86,16 +90,29 @@ def _check_int_dtype(a, name):
         raise TypeError(f"{name} must have an integer dtype (uint8/uint32 codes), got {a.dtype}")
 
 
-def pack(codes, bits: int):
+def _check_range(codes: mx.array, bits: int, name: str) -> None:
+    """ValueError naming ``name`` when a code is outside [0, 2^bits) (one host sync)."""
+    if codes.size == 0:
+        return
+    lo, hi = (int(v) for v in (mx.min(codes), mx.max(codes)))
+    if lo < 0 or hi >= 1 << bits:
+        raise ValueError(f"{name} must be in [0, {1 << bits}) for bits={bits}, got values in [{lo}, {hi}]")
+
+
+def pack(codes, bits: int, check: bool = True):
     """``(..., n)`` integer codes in [0, 2^bits) -> ``(..., ceil(n*bits/32))`` uint32.
 
-    Codes are masked to ``bits`` bits. Returns numpy if given numpy, else mx.
+    Out-of-range codes raise ValueError; ``check=False`` skips that test (one host sync) for codes that
+    are in range by construction (codebook indices) and then masks them to ``bits`` bits.
+    Returns numpy if given numpy, else mx.
     """
     bits = _check_bits(bits)
     codes, was_np = _to_mx(codes, "codes")
     _check_int_dtype(codes, "codes")
     if codes.ndim == 0:
         raise ValueError("codes must have at least one axis (..., n)")
+    if check:
+        _check_range(codes, bits, "codes")
     t = _tables(bits)
     g, w = t["g"], t["w"]
     lead, n = codes.shape[:-1], codes.shape[-1]
@@ -152,21 +169,65 @@ def unpack(packed, bits: int, n: int):
     return np.array(out) if was_np else out
 
 
+def packed_bytes(n: int, bits: int) -> int:
+    """Number of bytes holding n codes of ``bits`` bits: ceil(n * bits / 8) (the seed's row length)."""
+    bits = _check_bits(bits)
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+        raise ValueError(f"n must be an int >= 0, got {n!r}")
+    return (int(n) * bits + 7) // 8
+
+
+def _as_codes(codes):
+    # The seed passes numpy rows or plain lists; lists become numpy (and come back as numpy).
+    if isinstance(codes, (list, tuple)):
+        arr = np.asarray(codes)
+        if arr.dtype == object or not (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)):
+            raise TypeError(f"codes must be integers, got {codes!r:.80}")
+        return arr.astype(np.int64)
+    return codes
+
+
 class BitPackBuffer:
-    """Packs and unpacks codes of a fixed bit width (``pack`` / ``unpack`` with ``bits`` bound)."""
+    """The seed's packer: ``bits``-bit codes <-> rows of ``ceil(n * bits / 8)`` uint8, LSB-first.
+
+    Value j of a row occupies stream bits [j*bits, (j+1)*bits); stream bit i is bit i % 8 of byte i // 8.
+    Codes outside [0, 2^bits) raise ValueError. Accepts mx arrays, numpy arrays and lists of ints; returns
+    mx for mx input, numpy otherwise. `words` / `pack` / `unpack` (module level) are the uint32 layout.
+    """
 
     def __init__(self, bits: int):
         self.bits = _check_bits(bits)
 
     def pack(self, codes):
-        """``(..., n)`` codes -> ``(..., packed_words(n, bits))`` uint32."""
-        return pack(codes, self.bits)
+        """``(..., n)`` codes -> ``(..., packed_bytes(n, bits))`` uint8."""
+        codes = _as_codes(codes)
+        words = pack(codes, self.bits)  # range-checked
+        n_bytes = packed_bytes(codes.shape[-1], self.bits)
+        if isinstance(words, np.ndarray):
+            return np.ascontiguousarray(words.astype("<u4").view(np.uint8)[..., :n_bytes])
+        return mx.contiguous(words.view(mx.uint8)[..., :n_bytes])
 
     def unpack(self, packed, n: int):
-        """``(..., words)`` uint32 -> ``(..., n)`` uint8."""
-        return unpack(packed, self.bits, n)
+        """``(..., bytes)`` uint8 (at least ``packed_bytes(n, bits)``) -> ``(..., n)`` uint8."""
+        packed, was_np = _to_mx(packed, "packed")
+        if packed.dtype != mx.uint8:
+            raise TypeError(f"packed must be uint8 bytes (the layout BitPackBuffer.pack writes), got {packed.dtype}")
+        n_bytes = packed_bytes(n, self.bits)
+        if packed.ndim == 0 or packed.shape[-1] < n_bytes:
+            raise ValueError(f"packed must have at least {n_bytes} bytes on its last axis for n={n}, "
+                             f"bits={self.bits}; got shape {tuple(packed.shape)}")
+        n_words = packed_words(n, self.bits)
+        p = packed[..., :n_bytes]
+        p = mx.pad(p, [(0, 0)] * (p.ndim - 1) + [(0, 4 * n_words - n_bytes)])
+        out = unpack(mx.contiguous(p).view(mx.uint32), self.bits, n)
+        return np.array(out) if was_np else out
+
+    def nbytes(self, n: int) -> int:
+        """Bytes per row of n codes (`pack`'s last axis)."""
+        return packed_bytes(n, self.bits)
 
     def words(self, n: int) -> int:
+        """uint32 words per row of n codes in the module-level `pack` layout."""
         return packed_words(n, self.bits)
 
     def __repr__(self):

@@ -48,7 +48,10 @@ def read_gguf(path: str | Path) -> Tuple[Dict[str, mx.array], Dict[str, Any]]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
-    weights, meta = mx.load(str(path), return_metadata=True)
+    try:
+        weights, meta = mx.load(str(path), format="gguf", return_metadata=True)
+    except (RuntimeError, ValueError, OSError) as e:  # MLX reports a malformed file as RuntimeError
+        raise ValueError(f"{path} is not a readable GGUF file (truncated, corrupt or another format): {e}") from None
     return weights, {k: _scalar(v) for k, v in meta.items()}
 
 
@@ -124,10 +127,16 @@ def build_model_from_gguf(path: str | Path, quantized: bool = False):
             "only 'llama' GGUF files are supported"
         )
     tied = "output.weight" not in weights
-    args = model_args_from_metadata(meta, tied)
+    try:
+        args = model_args_from_metadata(meta, tied)
+    except KeyError as e:
+        raise ValueError(f"GGUF file {path} lacks the metadata key {e.args[0]!r}") from None
     model = Model(args)
 
-    renamed = {_rename(k): v for k, v in weights.items()}
+    try:
+        renamed = {_rename(k): v for k, v in weights.items()}
+    except ValueError as e:
+        raise ValueError(f"GGUF file {path}: {e}") from None
     # bits of each quantized module, keyed by module path
     qbits = {}
     for k in renamed:
@@ -159,7 +168,10 @@ def build_model_from_gguf(path: str | Path, quantized: bool = False):
                     )
                 continue  # scales/biases are folded into the float32 weight
             final[k] = v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v
-    model.load_weights(list(final.items()), strict=True)
+    try:
+        model.load_weights(list(final.items()), strict=True)
+    except ValueError as e:  # a tensor missing or of the wrong shape for the declared architecture
+        raise ValueError(f"GGUF file {path} does not match its llama metadata: {e}") from None
     mx.eval(model.parameters())
     model.eval()
     return model, meta

@@ -47,7 +47,10 @@ def load_gguf(path, quantized: bool = False):
     from .tokenizer import build_tokenizer
 
     model, meta = build_model_from_gguf(path, quantized=quantized)
-    return model, build_tokenizer(meta)
+    try:
+        return model, build_tokenizer(meta)
+    except KeyError as e:
+        raise ValueError(f"GGUF file {path} lacks the tokenizer metadata key {e.args[0]!r}") from None
 
 
 def load_model(path_or_name: str | os.PathLike = DEFAULT_MODEL, quantized: bool = False) -> Tuple:

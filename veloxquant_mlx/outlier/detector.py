@@ -89,13 +89,14 @@ class OutlierDetector:
             top = np.argsort(-self._rms, kind="stable")[: self.n_outliers]
             self._channels = sorted(int(j) for j in top)
 
-    def get_outlier_channels(self) -> list[int]:
-        """The chosen channel indices, sorted ascending. RuntimeError before calibration."""
+    def get_outlier_channels(self) -> np.ndarray:
+        """The chosen channel indices ``(n_outliers,)`` int32, sorted ascending (a fresh copy; usable with
+        ``np.setdiff1d`` and as an index, as the seed used it). RuntimeError before calibration."""
         if self._channels is None:
             raise RuntimeError(
                 f"OutlierDetector is not calibrated: observed {self._count} of n_calib={self.n_calib} rows"
             )
-        return list(self._channels)
+        return np.array(self._channels, dtype=np.int32)
 
     def channel_rms(self) -> np.ndarray:
         """Per-channel RMS ``(d,)`` over the calibration rows (after calibration)."""

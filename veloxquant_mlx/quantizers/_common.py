@@ -86,3 +86,34 @@ def scores(q_rot: mx.array, k_rot: mx.array) -> mx.array:
 
 def dtype_from_name(name: str):
     return getattr(mx, name)
+
+
+def store_norms(norms: mx.array, dtype, name: str = "norm_dtype") -> mx.array:
+    """``(...)`` float32 norms -> ``dtype`` for storage; ValueError naming ``name`` if any would not survive.
+
+    Only float16 can fail (bfloat16 and float32 cover float32's range): a norm above 65504 would be
+    stored as inf, a non-zero norm below its smallest normal (6.1e-5) loses its precision or becomes 0.
+    The check costs one host sync, paid only by ``norm_dtype="float16"``.
+    """
+    if dtype == mx.float16 and norms.size:
+        fi = mx.finfo(mx.float16)
+        big = float(mx.max(norms))
+        small = float(mx.min(mx.where(norms > 0, norms, mx.inf)))
+        if not big <= fi.max or small < fi.smallest_normal:
+            raise ValueError(
+                f"{name}='float16' cannot store these vector norms (range [{small:.3g}, {big:.3g}]; float16 "
+                f"holds [{fi.smallest_normal:.3g}, {fi.max:.0f}]): use norm_dtype='bfloat16' (default) or 'float32'")
+    return norms.astype(dtype)
+
+
+def to_output_dtype(x: mx.array, name: str) -> mx.array:
+    """float32 reconstruction -> dtype ``name``, clipped to that dtype's finite range first.
+
+    A reconstruction of an input near float16's +-65504 can overshoot it by the quantization error;
+    clipping keeps it finite (the nearest representable value) instead of +-inf. NaN stays NaN.
+    """
+    dtype = dtype_from_name(name)
+    if dtype in (mx.float16, mx.bfloat16):
+        hi = mx.finfo(dtype).max
+        x = mx.clip(x, -hi, hi)
+    return x.astype(dtype)

@@ -11,10 +11,10 @@ import mlx.core as mx
 
 from ..codebooks import Codebook, lloyd_max_codebook, quantize_to_codebook
 from ..core.context import EncodedVector
-from ..dsa.bit_pack import pack, unpack
+from ..dsa.bit_pack import pack
 from ..rotation import ROTATION_KINDS, make_rotation
-from ._common import (NORM_DTYPES, as_float_input, as_query, check_choice, check_encoded, check_int,
-                      dtype_from_name, scores, unit_and_norm)
+from ._common import (NORM_DTYPES, as_float_input, as_query, check_choice, check_encoded, check_int, scores,
+                      store_norms, to_output_dtype, unit_and_norm)
 
 CODEBOOK_KINDS = ("beta", "gaussian")
 
@@ -28,7 +28,12 @@ class TurboQuantMSE:
         seed: rotation seed (int >= 0).
         rotation: "haar" or "hadamard".
         codebook: "beta" (exact law of a rotated coordinate) or "gaussian" (N(0, 1/d) limit).
-        norm_dtype: storage dtype of the norms: "bfloat16" (default), "float16" or "float32".
+        norm_dtype: storage dtype of the norms: "bfloat16" (default), "float16" or "float32". With
+            "float16", encoding a vector whose norm float16 cannot hold (> 65504, or non-zero < 6.1e-5)
+            raises ValueError rather than storing inf or 0.
+
+    ``decode`` returns the input's dtype, clipped to its finite range (float16 inputs near +-65504 do not
+    decode to inf).
     """
 
     quantizer_type = "turboquant_mse"
@@ -47,33 +52,32 @@ class TurboQuantMSE:
 
     # --- rotated-domain core, shared with TurboQuantProd -------------------------------------
     def _encode_rotated(self, x: mx.array):
-        """float32 (..., d) -> (packed indices, float32 norms, stored norms, rotated unit y)."""
+        """float32 (..., d) -> (codes (..., d), float32 norms, stored norms, rotated unit y)."""
         u, norms = unit_and_norm(x)
         y = self.rotation.apply(u)
         idx = quantize_to_codebook(y, self.codebook)
-        return pack(idx, self.b), norms, norms.astype(self.norm_dtype), y
+        return idx, norms, store_norms(norms, self.norm_dtype), y
 
-    def _reconstruct_rotated(self, packed: mx.array, norms: mx.array) -> mx.array:
-        """(..., words), (...) -> (..., d) float32 reconstruction in the rotated basis."""
-        idx = unpack(packed, self.b, self.d)
+    def _reconstruct_rotated(self, idx: mx.array, norms: mx.array) -> mx.array:
+        """codes (..., d), norms (...) -> (..., d) float32 reconstruction in the rotated basis."""
         return mx.take(self.codebook.centroids, idx.astype(mx.int32)) * norms.astype(mx.float32)[..., None]
 
     # --- public API ---------------------------------------------------------------------------
     def encode(self, x) -> EncodedVector:
         """``(..., d)`` float array -> EncodedVector with batch shape ``(...)``."""
         xf, dtype_name = as_float_input(x, self.d)
-        packed, _, stored, _ = self._encode_rotated(xf)
-        return EncodedVector(quantizer_type=self.quantizer_type, dim=self.d, indices=packed,
-                             norms=stored, dtype_name=dtype_name)
+        idx, _, stored, _ = self._encode_rotated(xf)
+        return EncodedVector(quantizer_type=self.quantizer_type, dim=self.d, indices=pack(idx, self.b, check=False),
+                             norms=stored, dtype_name=dtype_name, bits=self.b)
 
     def decode_rotated(self, ev: EncodedVector) -> mx.array:
         """``(..., d)`` float32 reconstruction expressed in the rotated basis (norm applied)."""
         check_encoded(ev, self.quantizer_type, self.d)
-        return self._reconstruct_rotated(ev.indices, ev.norms)
+        return self._reconstruct_rotated(ev.codes(self.b), ev.norm_values())
 
     def decode(self, ev: EncodedVector) -> mx.array:
         """``(..., d)`` reconstruction in the input's dtype."""
-        return self.rotation.invert(self.decode_rotated(ev)).astype(dtype_from_name(ev.dtype_name))
+        return to_output_dtype(self.rotation.invert(self.decode_rotated(ev)), ev.dtype_name)
 
     def estimate_inner_product(self, q, ev: EncodedVector) -> mx.array:
         """q ``(..., m, d)`` with ev batch ``(..., n)`` -> ``(..., m, n)``; q ``(d,)`` -> ``(..., n)``.

@@ -16,10 +16,10 @@ import mlx.core as mx
 import numpy as np
 
 from ..core.context import EncodedVector
-from ..dsa.bit_pack import pack, unpack
+from ..dsa.bit_pack import pack
 from ..rotation import ROTATION_KINDS, STREAM_QJL, make_rotation
-from ._common import (NORM_DTYPES, as_float_input, as_query, check_choice, check_encoded, check_int,
-                      dtype_from_name, safe_norm, scores, unit_and_norm)
+from ._common import (NORM_DTYPES, as_float_input, as_query, check_choice, check_encoded, check_int, safe_norm,
+                      scores, store_norms, to_output_dtype, unit_and_norm)
 from .turboquant_mse import CODEBOOK_KINDS, TurboQuantMSE
 
 
@@ -30,7 +30,8 @@ class TurboQuantProd:
     Args:
         d: vector length (int >= 2). b: total bits 1..8 (b = 1: pure QJL).
         m: QJL sketch length (int >= 1), default ``m_default(d, b)`` = d.
-        seed, rotation, codebook, norm_dtype: as in :class:`TurboQuantMSE`.
+        seed, rotation, codebook, norm_dtype: as in :class:`TurboQuantMSE` (norm_dtype also stores the
+            residual norms; "float16" refuses norms it cannot hold).
     """
 
     quantizer_type = "turboquant_prod"
@@ -63,41 +64,48 @@ class TurboQuantProd:
         """``(..., d)`` float array -> EncodedVector (indices, norms, signs, residual_norm)."""
         xf, dtype_name = as_float_input(x, self.d)
         if self.mse is not None:
-            packed, norms, stored, y = self.mse._encode_rotated(xf)
-            y_mse = self.mse._reconstruct_rotated(packed, stored)
+            idx, norms, stored, y = self.mse._encode_rotated(xf)
+            y_mse = self.mse._reconstruct_rotated(idx, stored)
             r = y * norms[..., None] - y_mse  # residual vs what decode will actually produce
+            packed = pack(idx, self.b - 1, check=False)
         else:
             u, norms = unit_and_norm(xf)
-            stored = norms.astype(self.norm_dtype)
+            stored = store_norms(norms, self.norm_dtype)
             packed = mx.zeros((*xf.shape[:-1], 0), dtype=mx.uint32)
             r = self.rotation.apply(xf)
         proj = r @ self._qjl_t  # (..., m)
-        signs = pack((proj >= 0).astype(mx.uint8), 1)
+        signs = pack((proj >= 0).astype(mx.uint8), 1, check=False)
         return EncodedVector(quantizer_type=self.quantizer_type, dim=self.d, indices=packed, norms=stored,
-                             signs=signs, residual_norm=safe_norm(r).astype(self.norm_dtype),
-                             dtype_name=dtype_name)
+                             signs=signs, residual_norm=store_norms(safe_norm(r), self.norm_dtype),
+                             dtype_name=dtype_name, bits=self.b - 1, n_signs=self.m)
 
     def _signs_pm(self, ev: EncodedVector) -> mx.array:
-        """(..., m) float32 ±1 from the packed sign bits."""
-        return unpack(ev.signs, 1, self.m).astype(mx.float32) * 2.0 - 1.0
+        """(..., m) float32 ±1 (packed sign bits, or the seed's ±1 values)."""
+        return ev.sign_values(self.m)
+
+    @staticmethod
+    def _residual_norm(ev: EncodedVector) -> mx.array:
+        if ev.residual_norm is None:
+            raise ValueError("ev.residual_norm is missing: TurboQuantProd codes need the residual norms")
+        return ev.residual_norm.astype(mx.float32)
 
     def decode_rotated_mse(self, ev: EncodedVector) -> mx.array:
         """``(..., d)`` float32 MSE-stage reconstruction in the rotated basis (zeros when b = 1)."""
         check_encoded(ev, self.quantizer_type, self.d)
         if self.mse is None:
             return mx.zeros((*ev.batch_shape, self.d), dtype=mx.float32)
-        return self.mse._reconstruct_rotated(ev.indices, ev.norms)
+        return self.mse._reconstruct_rotated(ev.codes(self.b - 1), ev.norm_values())
 
     def decode_rotated(self, ev: EncodedVector) -> mx.array:
         """``(..., d)`` float32 unbiased reconstruction in the rotated basis:
         y_mse + gamma sqrt(pi/2)/m S^T signs."""
         qjl = (self._signs_pm(ev) @ self.qjl_matrix) * (
-            ev.residual_norm.astype(mx.float32)[..., None] * self._qjl_scale)
+            self._residual_norm(ev)[..., None] * self._qjl_scale)
         return self.decode_rotated_mse(ev) + qjl
 
     def decode(self, ev: EncodedVector) -> mx.array:
         """``(..., d)`` unbiased reconstruction in the input dtype (its MSE is larger than MSE-only)."""
-        return self.rotation.invert(self.decode_rotated(ev)).astype(dtype_from_name(ev.dtype_name))
+        return to_output_dtype(self.rotation.invert(self.decode_rotated(ev)), ev.dtype_name)
 
     def estimate_inner_product(self, q, ev: EncodedVector) -> mx.array:
         """Unbiased <q, x>: q ``(..., m_q, d)`` with ev batch ``(..., n)`` -> ``(..., m_q, n)``;
@@ -107,7 +115,7 @@ class TurboQuantProd:
         out = scores(q_rot, self.decode_rotated_mse(ev)) if self.mse is not None else None
         sq = q_rot @ self._qjl_t  # (..., m_q, m) or (m,)
         qjl = scores(sq, self._signs_pm(ev))
-        gamma = ev.residual_norm.astype(mx.float32) * self._qjl_scale  # (..., n)
+        gamma = self._residual_norm(ev) * self._qjl_scale  # (..., n)
         qjl = qjl * (gamma if q_rot.ndim == 1 else gamma[..., None, :])
         return qjl if out is None else out + qjl
 

@@ -11,17 +11,17 @@ import mlx.core as mx
 
 from ..codebooks import lloyd_max_codebook, mean_abs_residual, quantize_to_codebook
 from ..core.context import EncodedVector
-from ..dsa.bit_pack import pack, unpack
+from ..dsa.bit_pack import pack
 from ..rotation import ROTATION_KINDS, make_rotation
-from ._common import (NORM_DTYPES, as_float_input, as_query, check_choice, check_encoded, check_int,
-                      dtype_from_name, scores, unit_and_norm)
+from ._common import (NORM_DTYPES, as_float_input, as_query, check_choice, check_encoded, check_int, scores,
+                      store_norms, to_output_dtype, unit_and_norm)
 
 
 class TurboQuantRVQ:
     """Two-stage TurboQuant at ``b`` bits per stage (2b bits per coordinate in all).
 
     Args: d (int >= 2), b (1..8), seed (int >= 0), rotation ("haar"|"hadamard"),
-    norm_dtype ("bfloat16"|"float16"|"float32").
+    norm_dtype ("bfloat16"|"float16"|"float32"; "float16" refuses norms it cannot hold, see TurboQuantMSE).
     """
 
     quantizer_type = "turboquant_rvq"
@@ -46,21 +46,21 @@ class TurboQuantRVQ:
         idx1 = quantize_to_codebook(y, self.codebook1)
         r = y - mx.take(self.codebook1.centroids, idx1.astype(mx.int32))
         idx2 = quantize_to_codebook(r, self.codebook2)
-        return EncodedVector(quantizer_type=self.quantizer_type, dim=self.d, indices=pack(idx1, self.b),
-                             norms=norms.astype(self.norm_dtype), indices2=pack(idx2, self.b),
-                             dtype_name=dtype_name)
+        return EncodedVector(quantizer_type=self.quantizer_type, dim=self.d, indices=pack(idx1, self.b, check=False),
+                             norms=store_norms(norms, self.norm_dtype), indices2=pack(idx2, self.b, check=False),
+                             dtype_name=dtype_name, bits=self.b)
 
     def decode_rotated(self, ev: EncodedVector) -> mx.array:
         """``(..., d)`` float32 reconstruction in the rotated basis (norm applied)."""
         check_encoded(ev, self.quantizer_type, self.d)
-        i1 = unpack(ev.indices, self.b, self.d).astype(mx.int32)
-        i2 = unpack(ev.indices2, self.b, self.d).astype(mx.int32)
+        i1 = ev.codes(self.b).astype(mx.int32)
+        i2 = ev.codes(self.b, "indices2").astype(mx.int32)
         y = mx.take(self.codebook1.centroids, i1) + mx.take(self.codebook2.centroids, i2)
-        return y * ev.norms.astype(mx.float32)[..., None]
+        return y * ev.norm_values()[..., None]
 
     def decode(self, ev: EncodedVector) -> mx.array:
         """``(..., d)`` reconstruction in the input dtype."""
-        return self.rotation.invert(self.decode_rotated(ev)).astype(dtype_from_name(ev.dtype_name))
+        return to_output_dtype(self.rotation.invert(self.decode_rotated(ev)), ev.dtype_name)
 
     def estimate_inner_product(self, q, ev: EncodedVector) -> mx.array:
         """q · decode(ev): q ``(..., m, d)`` -> ``(..., m, n)``; q ``(d,)`` -> ``(..., n)``."""
