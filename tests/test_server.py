@@ -7,6 +7,7 @@ the codes (``TurboQuantPackedCache.attend_packed``) and forbid the decoding fetc
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import socket
 import subprocess
@@ -171,10 +172,10 @@ def test_known_fields_are_never_unknown(name):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.sampled_from(sorted(vs._numeric_rules(LIMITS))),
+@given(st.sampled_from(sorted(vs.numeric_rules(LIMITS))),
        st.one_of(st.integers(-10**30, 10**30), st.booleans(), st.floats(), st.text(max_size=4)))
 def test_numeric_fields_are_refused_exactly_outside_their_range(name, value):
-    kind, low, high = vs._numeric_rules(LIMITS)[name]
+    kind, low, high = vs.numeric_rules(LIMITS)[name]
     inside = not isinstance(value, (bool, str)) and (kind is float or isinstance(value, int)) and (
         value == value and abs(value) != float("inf") and value >= low and (high is None or value <= high))
     if inside:
@@ -184,6 +185,23 @@ def test_numeric_fields_are_refused_exactly_outside_their_range(name, value):
         with pytest.raises(vs.RequestError, match=name) as err:
             vs.check_request(dict(VALID_CHAT, **{name: value}), "chat", LIMITS)
         assert err.value.status == 400 and err.value.param == name
+
+
+def test_long_prompts_are_counted_as_mlx_lm_will_tokenize_them(smollm2):
+    model, tokenizer = smollm2
+    limits = vs.Limits(int(model.args.vocab_size), 8192, ("smollm2",), tokenizer=tokenizer)
+    fits = {"messages": _user("word " * 2000)}
+    raw = json.dumps(fits).encode()
+    assert len(raw) * 2 >= limits.max_context  # long enough to be tokenized by the check
+    vs.check_prompt_length(raw, fits, limits)  # about 2000 tokens: accepted
+    too_long = {"messages": _user("word " * 9000)}
+    n = len(tokenizer.apply_chat_template(too_long["messages"], add_generation_prompt=True))
+    with pytest.raises(vs.RequestError, match=f"messages: the prompt is {n} tokens; this model's context is 8192") as err:
+        vs.check_prompt_length(json.dumps(too_long).encode(), too_long, limits)
+    assert (err.value.status, err.value.param) == (400, "messages")
+    text = {"prompt": "word " * 9000}
+    with pytest.raises(vs.RequestError, match=f"prompt: the prompt is {len(tokenizer.encode(text['prompt']))} tokens"):
+        vs.check_prompt_length(json.dumps(text).encode(), text, limits)
 
 
 # ------------------------------------------------------------------------------------------ running servers

@@ -141,6 +141,8 @@ CASES = [
      "chat_template_kwargs", "chat_template_kwargs"),
     ("role-mapping-number", "POST", CHAT, chat(role_mapping={"user": 5}), None, 400, "role_mapping",
      "role_mapping"),
+    ("messages-past-the-context", "POST", CHAT, user("word " * 9000), None, 400, "messages", "8192"),
+    ("prompt-past-the-context", "POST", TEXT, {"prompt": "word " * 9000}, None, 400, "prompt", "8192"),
     ("prompt-list", "POST", TEXT, {"prompt": ["a", "b"]}, None, 400, "prompt", "prompt"),
     ("prompt-empty", "POST", TEXT, {"prompt": ""}, None, 400, "prompt", "prompt"),
     ("prompt-missing", "POST", TEXT, {}, None, 400, "prompt", "prompt"),

@@ -1,16 +1,15 @@
 """``veloxquant serve``: mlx_lm's OpenAI-compatible server whose KV caches are ours.
 
-Built from :mod:`mlx_lm.server`'s public pieces, nothing of mlx_lm patched: `ServedModel` gives the model a
-``make_cache()`` (the hook mlx_lm's ``make_prompt_cache`` documents) that builds the registered method's
-caches, `ServedModelProvider` (a ``ModelProvider``) serves the model we loaded, `VeloxAPIHandler` (an
-``APIHandler``) refuses bad requests with OpenAI's JSON error, and `use_packed_attention()` is entered for
-the server's lifetime so our caches attend from their codes. Requests are batched only when the caches merge
-(`probe_batching`); today's compressed caches do not, so theirs are answered one after another.
+Built from :mod:`mlx_lm.server`'s public pieces, nothing of it patched: `ServedModel` gives the model the
+``make_cache()`` mlx_lm's ``make_prompt_cache`` looks for, `ServedModelProvider` serves the model we loaded,
+`VeloxAPIHandler` refuses bad requests with OpenAI's JSON error, and `use_packed_attention()` holds for the
+server's lifetime. Requests are batched only when the caches merge (`probe_batching`); ours do not yet.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import io
 import json
 import logging
@@ -18,15 +17,17 @@ import math
 import socket
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import ThreadingHTTPServer
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 from mlx_lm.models.cache import LRUPromptCache
-from mlx_lm.server import APIHandler, ModelProvider, ResponseGenerator, get_system_fingerprint
+from mlx_lm.server import (APIHandler, ModelProvider, ResponseGenerator, convert_chat, get_system_fingerprint,
+                            process_message_content)
 
 from .attention import use_packed_attention
+from .cache.builder import make_prompt_cache
 from .eval.memory import measure_bytes_per_token, model_kv_shape
 from .eval.specs import method_names, resolve_spec
 from .models import ModelPackageMissing, load_model, max_context
@@ -45,7 +46,6 @@ def range_error(value: Any, kind: type, low=None, high=None) -> Optional[str]:
     return None
 
 
-# ---------------------------------------------------------------------------------------------- arguments
 def _bounded(kind: type, low=None, high=None) -> Callable[[str], Any]:
     """An argparse ``type`` checked by `range_error` (argparse names the option in its message)."""
     def parse(text: str):
@@ -70,8 +70,6 @@ _MLX_OPTIONS = (
     ("--top-k", _bounded(int, 0), 0, "default top-k (0: off)"),
     ("--min-p", _bounded(float, 0, 1), 0.0, "default min-p"),
     ("--max-tokens", _bounded(int, 1), 512, "default completion length in tokens"),
-    ("--decode-concurrency", _bounded(int, 1), 32, "requests decoded together when batching"),
-    ("--prompt-concurrency", _bounded(int, 1), 8, "prompts prefilled together when batching"),
     ("--prefill-step-size", _bounded(int, 1), 2048, "prefill chunk in tokens"),
     ("--prompt-cache-size", _bounded(int, 1), 10, "prompt caches kept for reuse"),
     ("--prompt-cache-bytes", _bounded(int, 1), None, "largest total size of the kept prompt caches"),
@@ -96,18 +94,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
 
 def _mlx_namespace(args: argparse.Namespace) -> argparse.Namespace:
-    """What mlx_lm's ModelProvider / ResponseGenerator / APIHandler read, in its CLI's names; what we do
-    not offer (adapters, draft models, mlx_lm's own KV quantization, pipelines, templates) is off."""
+    """What mlx_lm's ModelProvider / ResponseGenerator / APIHandler read, in its CLI's names; what we do not
+    offer is off (adapters, draft models, its own KV quantization, pipelines, templates) or at its default."""
     return argparse.Namespace(**vars(args), adapter_path=None, draft_model=None, num_draft_tokens=3,
                               trust_remote_code=False, pipeline=False, kv_bits=None, kv_group_size=64,
-                              quantized_kv_start=DEFAULT_QUANTIZED_KV_START, chat_template="", chat_template_args={})
+                              quantized_kv_start=DEFAULT_QUANTIZED_KV_START, chat_template="", chat_template_args={},
+                              decode_concurrency=32, prompt_concurrency=8)
 
 
-# ------------------------------------------------------------------------------ caches, footprint, batching
 def cache_factory(spec) -> Callable[[Any], list]:
     """``make(model) -> per-layer caches`` of a registered spec: ours through the builder, mlx_lm's as registered."""
-    from .cache.builder import make_prompt_cache
-
     return (lambda model: make_prompt_cache(model, **spec.extra)) if spec.extra else spec.make_cache
 
 
@@ -161,10 +157,7 @@ class ServedModelProvider(ModelProvider):
         return self.model, self.tokenizer
 
 
-# ------------------------------------------------------------------------------------------ request checks
 class RequestError(Exception):
-    """A refused request: HTTP status, message, and the field (``param``) at fault when there is one."""
-
     def __init__(self, status: int, message: str, param: Optional[str] = None):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
@@ -185,6 +178,8 @@ class Limits:
     max_context: int
     model_names: Tuple[str, ...]
     max_body_bytes: int = 8 << 20
+    tokenizer: Any = None  # a private copy: handler threads count long prompts with it, under the lock
+    lock: Any = field(default_factory=threading.Lock)
 
 
 MAX_DEPTH = 64  # JSON nesting; deeper bodies are refused before anything recurses over them
@@ -193,12 +188,11 @@ IMAGE_PARTS = ("image_url", "input_image", "image")  # the part types mlx_lm.ser
 # apply_chat_template's own parameters: one of them among chat_template_kwargs breaks mlx_lm's call
 TEMPLATE_PARAMETERS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
                                  "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors"})
-_COMMON_FIELDS = frozenset({
-    "model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-    "top_k", "min_p", "stop", "seed", "logprobs", "top_logprobs", "logit_bias", "repetition_penalty",
-    "repetition_context_size", "presence_penalty", "presence_context_size", "frequency_penalty",
-    "frequency_context_size", "xtc_probability", "xtc_threshold",
-    "n", "user", "metadata", "store", "service_tier"})  # the last line: OpenAI fields that change nothing here
+_COMMON_FIELDS = frozenset({  # mlx_lm's, and (last line) OpenAI fields that change nothing here
+    "model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+    "min_p", "stop", "seed", "logprobs", "top_logprobs", "logit_bias", "repetition_penalty", "repetition_context_size",
+    "presence_penalty", "presence_context_size", "frequency_penalty", "frequency_context_size", "xtc_probability",
+    "xtc_threshold", "n", "user", "metadata", "store", "service_tier"})
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "tools", "tool_choice", "parallel_tool_calls", "role_mapping",
                                 "chat_template_kwargs"}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
@@ -211,8 +205,7 @@ def _is_function(x) -> bool:
 # field -> (test, what the field must be): structure mlx_lm reads without checking
 _SHAPES: Dict[str, Tuple[Callable[[Any], bool], str]] = {
     "model": (lambda v: isinstance(v, str), "a string"),
-    "stream": (lambda v: isinstance(v, bool), "true or false"),
-    "logprobs": (lambda v: isinstance(v, bool), "true or false"),
+    **dict.fromkeys(("stream", "logprobs"), (lambda v: isinstance(v, bool), "true or false")),
     "n": (lambda v: v == 1 and not isinstance(v, bool), "1 (one choice per request)"),
     "stop": (lambda v: isinstance(v, str) and v != "" or isinstance(v, list) and all(
         isinstance(s, str) and s for s in v), "a non-empty string or a list of them"),
@@ -230,20 +223,18 @@ _SHAPES: Dict[str, Tuple[Callable[[Any], bool], str]] = {
 }
 
 
-def _numeric_rules(limits: Limits) -> Dict[str, Tuple[type, Any, Any]]:
+def numeric_rules(limits: Limits) -> Dict[str, Tuple[type, Any, Any]]:
     """field -> (kind, low, high) of what reaches mlx_lm's sampler, logits processors and ``mx.random``: mlx_lm
     lets NaN, inf, bools, huge counts through to native code and answers ``{"error": text}`` (no param)."""
     ctx, vocab = limits.max_context, limits.vocab_size
-    return {
-        "max_tokens": (int, 1, ctx - 1), "max_completion_tokens": (int, 1, ctx - 1),
-        "temperature": (float, 0, None), "top_p": (float, 0, 1), "min_p": (float, 0, 1), "top_k": (int, 0, vocab),
-        "xtc_probability": (float, 0, 1), "xtc_threshold": (float, 0, 1), "repetition_penalty": (float, 0, None),
-        "presence_penalty": (float, -2, 2), "frequency_penalty": (float, -2, 2),  # OpenAI's range
-        "repetition_context_size": (int, 0, ctx), "presence_context_size": (int, 0, ctx),
-        "frequency_context_size": (int, 0, ctx),
-        "top_logprobs": (int, -1, 11),  # mlx_lm's range; -1: off
-        "seed": (int, 0, 2**64 - 1),  # mx.random.seed takes a uint64
-    }
+    rules = {("max_tokens", "max_completion_tokens"): (int, 1, ctx - 1), ("top_k",): (int, 0, vocab),
+             ("repetition_context_size", "presence_context_size", "frequency_context_size"): (int, 0, ctx),
+             ("temperature", "repetition_penalty"): (float, 0, None),
+             ("top_p", "min_p", "xtc_probability", "xtc_threshold"): (float, 0, 1),
+             ("presence_penalty", "frequency_penalty"): (float, -2, 2),  # OpenAI's range
+             ("top_logprobs",): (int, -1, 11),  # mlx_lm's range, -1: off
+             ("seed",): (int, 0, 2**64 - 1)}  # mx.random.seed takes a uint64
+    return {name: rule for names, rule in rules.items() for name in names}
 
 
 def _number(name: str, value: Any, kind: type, low, high):
@@ -298,11 +289,8 @@ def _check_message(where: str, message: Any) -> None:
 
 
 def check_request(body: Any, endpoint: str, limits: Limits) -> dict:
-    """The body to hand to mlx_lm, or a RequestError; ``endpoint``: ``"chat"`` or ``"text"``.
-
-    Null fields are dropped (mlx_lm then uses its defaults); unknown fields are refused (a typo would be
-    ignored silently); so is anything that would fail later inside mlx_lm's generation thread.
-    """
+    """The body to hand to mlx_lm (null fields dropped: it then uses its defaults), or a RequestError; unknown
+    fields are refused (a typo would be ignored). ``endpoint``: ``"chat"`` or ``"text"``."""
     if not isinstance(body, dict):
         _fail(f"the request body must be a JSON object, got {type(body).__name__}", "body")
     body = {k: v for k, v in body.items() if v is not None}
@@ -315,7 +303,7 @@ def check_request(body: Any, endpoint: str, limits: Limits) -> dict:
             _fail(f"{name} must be {what}, got {_show(body[name])}", name)
     if body.get("model", "default_model") not in limits.model_names + ("default_model",):
         _fail(f"model {_show(body['model'])} is not served here; served: {', '.join(limits.model_names)}", "model", 404)
-    for name, (kind, low, high) in _numeric_rules(limits).items():
+    for name, (kind, low, high) in numeric_rules(limits).items():
         if name in body:
             body[name] = _number(name, body[name], kind, low, high)
     for key, value in body.get("logit_bias", {}).items():  # an id past the vocabulary crashes mlx_lm
@@ -330,7 +318,28 @@ def check_request(body: Any, endpoint: str, limits: Limits) -> dict:
     return body
 
 
-# -------------------------------------------------------------------------------------------------- handler
+def check_prompt_length(raw: bytes, body: dict, limits: Limits) -> None:
+    """A prompt of the model's context or more is refused. A token is at least one byte, so only a body of
+    half the context in bytes or more (the rest for the chat template) is tokenized here, as mlx_lm will."""
+    if len(raw) * 2 < limits.max_context:
+        return
+    field_name, tok = ("prompt" if "prompt" in body else "messages"), limits.tokenizer
+    try:
+        with limits.lock:
+            if field_name == "prompt" or not tok.has_chat_template:
+                n = len(tok.encode(body["prompt"] if field_name == "prompt" else convert_chat(
+                    body["messages"], body.get("role_mapping"))))
+            else:
+                messages = copy.deepcopy(body["messages"])  # mlx_lm edits them in place
+                process_message_content(messages)
+                n = len(tok.apply_chat_template(messages, add_generation_prompt=True, tools=body.get("tools"),
+                                                **body.get("chat_template_kwargs", {})))
+    except Exception as e:  # the chat template refuses these messages
+        _fail(f"the {field_name} cannot be rendered by the chat template: {type(e).__name__}: {e}", field_name)
+    if n >= limits.max_context:
+        _fail(f"{field_name}: the prompt is {n} tokens; this model's context is {limits.max_context}", field_name)
+
+
 ENDPOINTS = {"/v1/completions": "text", "/v1/chat/completions": "chat", "/chat/completions": "chat"}
 
 
@@ -339,9 +348,6 @@ class VeloxAPIHandler(APIHandler):
 
     limits: Limits  # set on the per-server subclass made by `start_server`
     timeout = 120  # seconds a connection may stall before its thread gives up (socketserver applies it)
-
-    def log_message(self, format, *args):  # noqa: A002 (BaseHTTPRequestHandler's signature)
-        logger.debug("%s - %s", self.address_string(), format % args)
 
     def _send_json(self, status: int, payload: dict) -> None:
         data = json.dumps(payload).encode()
@@ -369,7 +375,8 @@ class VeloxAPIHandler(APIHandler):
         if not (length.isascii() and length.isdigit() and len(length) <= 15):
             _fail(f"Content-Length must be a byte count, got {_show(length)}", "Content-Length")
         if int(length) > self.limits.max_body_bytes:
-            _fail(f"a body of {length} bytes exceeds --max-body-bytes {self.limits.max_body_bytes}", "Content-Length", 413)
+            _fail(f"a body of {length} bytes exceeds --max-body-bytes {self.limits.max_body_bytes}", "Content-Length",
+                  413)
         return self.rfile.read(int(length))
 
     def do_POST(self):
@@ -378,6 +385,7 @@ class VeloxAPIHandler(APIHandler):
             if self.path not in ENDPOINTS:
                 _fail(f"no route for POST {self.path}; POST routes: {', '.join(ENDPOINTS)}", None, 404)
             body = check_request(parse_body(raw), ENDPOINTS[self.path], self.limits)
+            check_prompt_length(raw, body, self.limits)
         except RequestError as e:
             return self._refuse(e)
         forwarded = json.dumps(body).encode()  # mlx_lm's do_POST reads the checked body from rfile
@@ -406,14 +414,12 @@ class VeloxAPIHandler(APIHandler):
     do_PUT = do_DELETE = do_PATCH = _method_not_allowed
 
 
-# --------------------------------------------------------------------------------------------------- server
 @dataclass
 class ServerHandle:
     """A running server; ``close()`` stops it and then removes the attention hook."""
 
     url: str
     port: int
-    method: str
     footprint: Dict[str, float]
     batching: Tuple[bool, str]  # (batched, why)
     httpd: ThreadingHTTPServer
@@ -421,27 +427,12 @@ class ServerHandle:
     stack: contextlib.ExitStack  # what close() undoes, last in first out
     thread: Optional[threading.Thread] = None
 
-    def serve_forever(self) -> None:
-        with contextlib.suppress(KeyboardInterrupt):
-            self.httpd.serve_forever()
-        self.close()
-
     def close(self) -> None:
         if self.thread is not None:
             self.httpd.shutdown()
             self.thread.join()
             self.thread = None
         self.stack.close()  # server socket, then the generation thread, then the attention hook
-
-
-def _http_server(host: str, port: int, response_generator, handler_class) -> ThreadingHTTPServer:
-    # mlx_lm.server.run(host, port, provider, handler_class=...) is the public way, but 0.32 drops its
-    # handler_class on the way to the HTTP server, blocks, and keeps the bound port and the shutdown to
-    # itself: the same ThreadingHTTPServer is built here, as run() builds it.
-    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-    server_class = type("VeloxHTTPServer", (ThreadingHTTPServer,), {"address_family": family, "daemon_threads": True})
-    fingerprint = get_system_fingerprint()
-    return server_class(address, lambda *a, **k: handler_class(response_generator, *a, system_fingerprint=fingerprint, **k))
 
 
 def start_server(args: argparse.Namespace, *, model=None, tokenizer=None, port: Optional[int] = None,
@@ -454,13 +445,14 @@ def start_server(args: argparse.Namespace, *, model=None, tokenizer=None, port: 
     fp = measure_footprint(model, make_cache)
     batching = (False, "--no-batching") if args.no_batching else probe_batching(model, make_cache)
     logger.info(f"KV cache: {spec.name} ({spec.description or spec.name})")
-    logger.info(f"KV cache size: {fp['bits_per_coordinate']:.2f} bits/coordinate, {fp['bytes_per_token_per_layer']:.1f}"
-                f" bytes/token/layer, {fp['bytes_per_token']:.0f} bytes/token over {fp['layers']} layers (plain KVCache "
-                f"{fp['plain_bytes_per_token']:.0f}: {fp['plain_bytes_per_token'] / fp['bytes_per_token']:.2f}x smaller)"
-                ", measured as `veloxquant methods` measures")
+    ratio = fp["plain_bytes_per_token"] / fp["bytes_per_token"]
+    logger.info(f"KV cache size: {fp['bits_per_coordinate']:.2f} bits/coordinate, "
+                f"{fp['bytes_per_token_per_layer']:.1f} bytes/token/layer, {fp['bytes_per_token']:.0f} bytes/token "
+                f"over {fp['layers']} layers (plain KVCache {fp['plain_bytes_per_token']:.0f}: {ratio:.2f}x smaller), "
+                "measured as `veloxquant methods` measures")
     logger.info(f"concurrent requests: {'batched' if batching[0] else 'answered one after another'} ({batching[1]})")
-    limits = Limits(vocab_size=int(model.args.vocab_size), max_context=max_context(model) or 1 << 20,
-                    model_names=(str(args.model),), max_body_bytes=args.max_body_bytes)
+    limits = Limits(int(model.args.vocab_size), max_context(model) or 1 << 20, (str(args.model),), args.max_body_bytes,
+                    copy.deepcopy(tokenizer))
     provider = ServedModelProvider(_mlx_namespace(args), ServedModel(model, make_cache), tokenizer, batching[0])
     with contextlib.ExitStack() as stack:  # undone at once if anything fails to start
         stack.enter_context(use_packed_attention())  # our caches attend from their codes until close()
@@ -468,12 +460,19 @@ def start_server(args: argparse.Namespace, *, model=None, tokenizer=None, port: 
         generator = ResponseGenerator(provider, LRUPromptCache(args.prompt_cache_size, **cache_bytes))
         stack.callback(generator.stop_and_join)
         handler = type("BoundVeloxAPIHandler", (VeloxAPIHandler,), {"limits": limits})
-        httpd = _http_server(args.host, args.port if port is None else port, generator, handler)
+        # mlx_lm.server.run(host, port, provider, handler_class=...) is the public way, but 0.32 drops its
+        # handler_class on the way to the HTTP server, blocks, and keeps the bound port and the shutdown to
+        # itself: the same ThreadingHTTPServer is built here, as run() builds it.
+        family, _, _, _, address = socket.getaddrinfo(args.host, args.port if port is None else port,
+                                                      type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        server_class = type("VeloxServer", (ThreadingHTTPServer,), {"address_family": family, "daemon_threads": True})
+        fingerprint = get_system_fingerprint()
+        httpd = server_class(address, lambda *a, **k: handler(generator, *a, system_fingerprint=fingerprint, **k))
         stack.callback(httpd.server_close)
         stack = stack.pop_all()
     bound = httpd.server_address[1]
     url = f"http://{f'[{args.host}]' if ':' in args.host else args.host}:{bound}"
-    handle = ServerHandle(url, bound, spec.name, fp, batching, httpd, generator, stack)
+    handle = ServerHandle(url, bound, fp, batching, httpd, generator, stack)
     if background:
         handle.thread = threading.Thread(target=httpd.serve_forever, name="veloxquant-serve", daemon=True)
         handle.thread.start()
@@ -490,6 +489,8 @@ def serve_main(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, OSError, ModelPackageMissing) as e:
         print(f"veloxquant serve: error: {e}", file=sys.stderr)
         return 2
-    handle.serve_forever()
+    with contextlib.suppress(KeyboardInterrupt):
+        handle.httpd.serve_forever()
+    handle.close()
     logger.info("veloxquant serve: stopped")
     return 0
