@@ -82,6 +82,8 @@ CASES = [
      "max_completion_tokens", "max_completion_tokens"),
     ("temperature-nan", "POST", CHAT, chat(temperature=float("nan")), None, 400, "temperature", "temperature"),
     ("temperature-inf", "POST", CHAT, chat(temperature=float("inf")), None, 400, "temperature", "temperature"),
+    ("temperature-400-digit-integer", "POST", CHAT, '{"messages": [{"role": "user", "content": "hi"}], '
+     '"temperature": 1' + "0" * 400 + "}", None, 400, "temperature", "temperature"),
     ("temperature-negative", "POST", CHAT, chat(temperature=-1), None, 400, "temperature", "temperature"),
     ("temperature-text", "POST", CHAT, chat(temperature="hot"), None, 400, "temperature", "temperature"),
     ("top-p-above-one", "POST", CHAT, chat(top_p=7), None, 400, "top_p", "top_p"),

@@ -229,7 +229,7 @@ def numeric_rules(limits: Limits) -> Dict[str, Tuple[type, Any, Any]]:
     ctx, vocab = limits.max_context, limits.vocab_size
     rules = {("max_tokens", "max_completion_tokens"): (int, 1, ctx - 1), ("top_k",): (int, 0, vocab),
              ("repetition_context_size", "presence_context_size", "frequency_context_size"): (int, 0, ctx),
-             ("temperature", "repetition_penalty"): (float, 0, None),
+             ("temperature", "repetition_penalty"): (float, 0, sys.float_info.max),  # a larger int is no float
              ("top_p", "min_p", "xtc_probability", "xtc_threshold"): (float, 0, 1),
              ("presence_penalty", "frequency_penalty"): (float, -2, 2),  # OpenAI's range
              ("top_logprobs",): (int, -1, 11),  # mlx_lm's range, -1: off
