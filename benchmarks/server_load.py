@@ -37,12 +37,11 @@ CONTEXT = (
     "and the wireless network is separated from the wired one by a firewall. "
 )
 
-# (label, serve arguments)
+# (label, serve arguments): registered methods (`veloxquant methods`)
 DEFAULT_CONFIGS = [
     ("kv (plain, batched)", ["--method", "kv"]),
     ("kv (plain, one at a time)", ["--method", "kv", "--no-batching"]),
-    ("turboquant_mse K4/V4 sink=4", ["--method", "turboquant_mse", "--k-bits", "4", "--v-bits", "4",
-                                     "--cache-option", "sink=4"]),
+    ("tq-mse-k4v4", ["--method", "tq-mse-k4v4"]),
 ]
 
 
@@ -74,11 +73,10 @@ def run_config(label, serve_args, model, tokenizer, n_requests, concurrency, max
 
     from veloxquant_mlx import server as vs
 
-    args = vs.build_parser().parse_args(
-        ["--host", "127.0.0.1", "--port", "0", "--log-level", "WARNING", "--max-tokens", str(max_tokens)]
-        + serve_args
+    args = vs.add_serve_arguments(argparse.ArgumentParser()).parse_args(
+        ["--host", "127.0.0.1", "--log-level", "WARNING", "--max-tokens", str(max_tokens)] + serve_args
     )
-    handle = vs.start_server(args, model=model, tokenizer=tokenizer)
+    handle = vs.start_server(args, model=model, tokenizer=tokenizer, port=0)  # port 0: a free one
     results, errors = [], []
     lock = threading.Lock()
     counter = iter(range(n_requests))
@@ -122,7 +120,7 @@ def run_config(label, serve_args, model, tokenizer, n_requests, concurrency, max
         fp = handle.footprint
         return {
             "config": label,
-            "batching": handle.batching,
+            "batching": handle.batching[0],
             "requests_ok": len(results),
             "errors": len(errors),
             "first_error": errors[0] if errors else None,
@@ -133,9 +131,9 @@ def run_config(label, serve_args, model, tokenizer, n_requests, concurrency, max
             "latency_p95_s": lat[min(len(lat) - 1, int(0.95 * len(lat)))] if lat else None,
             "prompt_tokens": prompt,
             "cached_prompt_tokens": cached,
-            "kv_bytes_per_token": fp.bytes_per_token if fp else None,
-            "kv_bits_per_coordinate": fp.bits_per_coordinate if fp else None,
-            "prompt_cache_mib": handle.prompt_cache.nbytes / 2**20,
+            "kv_bytes_per_token": fp["bytes_per_token"],
+            "kv_bits_per_coordinate": fp["bits_per_coordinate"],
+            "prompt_cache_mib": handle.response_generator.prompt_cache.nbytes / 2**20,
             "peak_mlx_mib": mx.get_peak_memory() / 2**20,
             "rss_mib_before": rss_before,
             "rss_mib_after": _rss_mib(),
