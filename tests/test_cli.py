@@ -80,25 +80,42 @@ def test_unknown_method_and_too_long_context(smollm2, capsys):
 
 
 @pytest.mark.model
-def test_generate_streams_answer(smollm2, capsys):
-    rc = main(["generate", "--prompt", "What is the capital of France?", "--max-tokens", "8", "--method", "mlx-q8"])
+@pytest.mark.parametrize("method", ["tq-affine-k8v8", "tq-mse-k4v4"])
+def test_generate_streams_answer(smollm2, capsys, attention_on_codes, method):
+    rc = main(["generate", "--prompt", "What is the capital of France?", "--max-tokens", "8", "--method", method])
     assert rc == 0
     assert "Paris" in capsys.readouterr().out
+    # the registered compressed cache answered with attention on its codes, in every layer at every step
+    assert attention_on_codes["attend_packed"] >= len(smollm2[0].layers) * 8
+
+
+# KL to the plain cache of `veloxquant demo --context 96` on SmolLM2, measured: tq-affine-k8v8 3.7e-5,
+# tq-mse-k4v4 0.0179 (tq-mse-k3v3: 0.070 at context 64). Bound: 2x the measured KL.
+DEMO_KL = {"tq-affine-k8v8": 3.7e-5, "tq-mse-k4v4": 0.0179}
 
 
 @pytest.mark.model
-def test_demo_small(smollm2, capsys, tmp_path):
+def test_demo_small(smollm2, capsys, tmp_path, attention_on_codes):
     out = tmp_path / "demo.json"
-    rc = main(["demo", "--context", "64", "--max-tokens", "4", "--methods", "kv,mlx-q8", "--no-progress",
-               "--out", str(out)])
+    # context 96: past the 4 sink tokens, the 8-token trim headroom and one 64-token key block, so the
+    # affine_block configuration really codes tokens (at 64 it would hold them all exact)
+    rc = main(["demo", "--context", "96", "--max-tokens", "4", "--methods", "kv," + ",".join(DEMO_KL),
+               "--no-progress", "--out", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
-    assert "mlx-q8" in text and "Δppl" in text
+    assert "tq-mse-k4v4" in text and "Δppl" in text
     import json
 
     data = json.loads(out.read_text())
-    assert set(data["methods"]) == {"kv", "mlx-q8"}
-    assert data["methods"]["kv"]["ppl"]["delta_ppl"] == 0.0
+    methods = data["methods"]
+    assert set(methods) == {"kv", *DEMO_KL}
+    assert methods["kv"]["ppl"]["delta_ppl"] == 0.0 and methods["kv"]["ppl"]["kl"] == 0.0
+    for name, measured in DEMO_KL.items():
+        assert 0.0 <= methods[name]["ppl"]["kl"] < 2 * measured, (name, methods[name]["ppl"]["kl"])
+        assert methods[name]["ppl"]["memory"]["bits_per_coordinate"] < methods["kv"]["ppl"]["memory"]["bits_per_coordinate"] / 3
+    # the near-lossless 8-bit cache answers exactly as the plain cache does
+    assert methods["tq-affine-k8v8"]["answer"] == methods["kv"]["answer"]
+    assert attention_on_codes["attend_packed"] >= 2 * len(smollm2[0].layers) * 4
 
 
 def test_real_subprocess(tmp_path):

@@ -36,7 +36,7 @@ TINY_KL = {"mlx-q8": 8.0e-6, "mlx-q4": 1.68e-3, "mlx-q2": 5.00e-2, "tq-mse-k4v4"
            "tq-affine-k8v4": 3.8e-4, "tq-affine-k8v8": 2e-6}
 
 
-def test_lockstep_registered_specs_on_tiny_model(tiny_model, random_tokens):
+def test_lockstep_registered_specs_on_tiny_model(tiny_model, random_tokens, attention_on_codes):
     from veloxquant_mlx.attention import use_packed_attention
 
     specs = registered_specs()
@@ -45,6 +45,8 @@ def test_lockstep_registered_specs_on_tiny_model(tiny_model, random_tokens):
     with use_packed_attention():
         r = perplexity_eval(tiny_model, random_tokens, specs, context=256, n_windows=2, chunk=64, progress=False)
     assert list(r) == [s.name for s in specs]
+    # attention ran on the codes: at least once per layer and chunk for each of the 8 compressed specs
+    assert attention_on_codes["attend_packed"] >= 8 * len(tiny_model.layers) * 2 * (256 // 64)
     kv = r["kv"]
     assert kv["kl"] == 0.0 and kv["top1"] == 1.0 and kv["tokens"] == 512
     assert math.isfinite(kv["ppl"]) and kv["ppl"] > 1.0
@@ -117,7 +119,7 @@ def test_passkey_counts_the_answers_that_hold_the_key(tiny_model, tiny_tokenizer
 
 
 @pytest.mark.model
-def test_passkey_on_smollm2(smollm2, corpus_ids):
+def test_passkey_on_smollm2(smollm2, corpus_ids, attention_on_codes):
     # Measured: the plain cache and tq-mse-k4v4 (attention on its codes) both answer the key at 160 and 300 tokens
     # (and at depths 0.2 and 0.8; tq-mse-k2v2 and mlx-q2 fail there). One trial keeps it cheap.
     from veloxquant_mlx.attention import use_packed_attention
@@ -129,6 +131,7 @@ def test_passkey_on_smollm2(smollm2, corpus_ids):
                          progress=False)
     for s in specs:
         assert r[s.name]["passed"] == 1, r[s.name]["trials"]
+    assert attention_on_codes["attend_packed"] >= len(model.layers) * 6  # prefill + decode steps, every layer
 
 
 @settings(max_examples=10, deadline=None)
