@@ -40,12 +40,37 @@ def test_bad_arguments_exit_nonzero_with_one_line(capsys, argv, pattern):
     assert re.search(pattern, _one_line_error(err))
 
 
+def _packed(width, bits):
+    """Bytes of one Lloyd-Max coded vector: ``width`` b-bit indices in uint32 words + a bfloat16 norm."""
+    return 4 * -(-width * bits // 32) + 2
+
+
+# Bytes per token per layer of each registered configuration, 2 kv heads of d = 64, from its stored layout
+# (the marginal bytes `methods` measures between 256 and 512 tokens; the 4 exact sink tokens are fixed cost).
+H, D = 2, 64
+LAYOUT_BYTES = {
+    "kv": 2 * H * D * 4,  # float32 K and V
+    # mlx_lm QuantizedKVCache: b-bit codes + a float32 scale and bias per group of 64
+    **{f"mlx-q{b}": 2 * H * (D * b // 8 + 2 * 4) for b in (8, 4, 2)},
+    **{f"tq-mse-k{b}v{b}": 2 * H * _packed(D, b) for b in (4, 3, 2)},
+    # Prod keys: (b-1)-bit indices + a 64-bit QJL sign sketch + a bfloat16 residual norm; values are MSE codes
+    "tq-prod-k4v4": H * (_packed(D, 3) + D // 8 + 2 + _packed(D, 4)),
+    "tq-rvq-k2v2": 2 * H * _packed(D, 2 * 2),  # two 2-bit index streams and one norm
+    # rotation + MLX affine codes: b bits + a float16 scale and bias per group of 64
+    **{f"tq-affine-k{kb}v{vb}": H * (D * kb // 8 + 4 + D * vb // 8 + 4) for kb, vb in ((4, 4), (8, 4), (8, 8))},
+}
+
+
 def test_methods_lists_measured_bytes(capsys):
+    from veloxquant_mlx.eval import registered_specs
+
     assert main(["methods", "--head-dim", "64", "--kv-heads", "2"]) == 0
     out = capsys.readouterr().out
-    rows = {l.split()[0]: l.split() for l in out.splitlines() if l.split() and l.split()[0] in ("kv", "mlx-q4")}
-    assert float(rows["kv"][3]) == 2 * 2 * 64 * 4  # float32 keys + values, 2 heads
-    assert float(rows["mlx-q4"][3]) < float(rows["kv"][3])
+    rows = {l.split()[0]: l.split() for l in out.splitlines() if l.split() and l.split()[0] in LAYOUT_BYTES}
+    assert set(rows) == {s.name for s in registered_specs()} == set(LAYOUT_BYTES)
+    for name, expected in LAYOUT_BYTES.items():
+        assert float(rows[name][3]) == expected, name
+        assert float(rows[name][4]) == pytest.approx(8 * expected / (2 * H * D), abs=5e-4), name  # bits/coord
 
 
 def test_plan_longest_context(capsys):

@@ -306,6 +306,9 @@ def test_attend_shapes_and_dtypes():
         q = x[:3]
         out = cache.attend(q)
         assert out.shape == (3, 32) and out.dtype == dtype
+        f32 = lambda a: np.array(mx.array(a).astype(mx.float32))  # noqa: E731
+        ref, _ = exact_attention(f32(q), f32(cache.keys()), f32(cache.values()))
+        np.testing.assert_allclose(f32(out), ref, atol=2e-2 if dtype != mx.float32 else 2e-5, rtol=1e-2)
         one = cache.attend(q[1])
         assert one.shape == (32,)
         np.testing.assert_allclose(np.array(one.astype(mx.float32)), np.array(out[1].astype(mx.float32)), atol=1e-2)
