@@ -151,7 +151,8 @@ def test_real_subprocess(tmp_path):
         capture_output=True, text=True, cwd=ROOT, env=env, timeout=120,
     )
     assert ok.returncode == 0, ok.stderr
-    assert "mlx-q4" in ok.stdout
+    row = next(l for l in ok.stdout.splitlines() if l.startswith("kv "))
+    assert int(row.split()[-1].replace(",", "")) == 2 * 2**30 // (30 * 2 * 3 * 64 * 4)  # float32 K+V, 30 layers
     bad = subprocess.run(
         [sys.executable, "-m", "veloxquant_mlx.cli", "generate", "--prompt", "x", "--bits", "-1"],
         capture_output=True, text=True, cwd=ROOT, env=env, timeout=120,

@@ -184,6 +184,13 @@ def test_spec_registry_and_resolution():
     assert resolve_spec("fp16").name == "kv"
     assert resolve_spec("mlx-q", 4).name == "mlx-q4"
     assert resolve_spec("mlx-q4", 4).name == "mlx-q4"
+    assert [resolve_spec("turboquant_mse", b).name for b in (4, 3, 2)] == ["tq-mse-k4v4", "tq-mse-k3v3", "tq-mse-k2v2"]
+    assert resolve_spec("turboquant_rvq", 4).name == "tq-rvq-k2v2"  # RVQ's nominal bits: two b-bit streams
+    spec = resolve_spec("tq-affine-k8v8")
+    assert (spec.family, spec.bits, spec.extra["codec"], spec.extra["k_bits"], spec.extra["v_bits"]) == (
+        "tq-affine", 8, "affine_block", 8, 8)
+    with pytest.raises(ValueError, match="allowed: 2, 3, 4"):
+        resolve_spec("turboquant_mse", 5)
     with pytest.raises(ValueError, match="unknown method"):
         resolve_spec("nope")
     with pytest.raises(ValueError, match="out of range"):
