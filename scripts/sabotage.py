@@ -58,6 +58,7 @@ TESTS = {
     "server_checks_off": ["tests/test_server.py"],
 }
 ENV = "VQ_SABOTAGE"
+NOT_APPLIED = "SABOTAGE NOT APPLIED"  # printed by the plugin when a target is missing (renamed?)
 TIMEOUT_S = 600
 
 
@@ -144,7 +145,11 @@ def pytest_configure(config):
     if kind not in TARGETS:
         raise ValueError(f"{ENV} must be one of {sorted(TARGETS)}, got {kind!r}")
     for target in TARGETS[kind]:
-        owner, name, original = _resolve(target)
+        try:
+            owner, name, original = _resolve(target)
+        except (ImportError, AttributeError, KeyError, ValueError) as e:
+            # a missing target must not read as "caught": the runner looks for this line
+            raise RuntimeError(f"{NOT_APPLIED}: {target}: {type(e).__name__}: {e}") from None
         _replace_everywhere(owner, name, original, _make(kind, target, original))
 
 
@@ -168,11 +173,14 @@ def run_pytest(tests, sabotage=None):
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
         return {"<timeout>"}, f"timed out after {TIMEOUT_S} s", time.time() - t0
+    if NOT_APPLIED in out:
+        line = next(l for l in out.splitlines() if NOT_APPLIED in l)
+        return set(), line[line.index(NOT_APPLIED):], time.time() - t0
     failed = {m.group(2) for m in map(_LINE.match, out.splitlines()) if m}
     lines = [l for l in out.strip().splitlines() if l.strip()]
     summary = lines[-1] if lines else "(no output)"
-    if proc.returncode not in (0, 1) and not failed:  # usage error, internal error, nothing collected
-        failed = {f"<pytest exit {proc.returncode}>"}
+    if proc.returncode not in (0, 1) and not failed:  # usage error, a missing file, nothing collected:
+        summary = f"pytest exit {proc.returncode} (not a test failure): {summary}"  # proves nothing
     return failed, summary, time.time() - t0
 
 
