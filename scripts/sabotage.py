@@ -170,9 +170,8 @@ def run_pytest(tests, sabotage=None):
     try:
         proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
         out = proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        return {"<timeout>"}, f"timed out after {TIMEOUT_S} s", time.time() - t0
+    except subprocess.TimeoutExpired:
+        return set(), f"timed out after {TIMEOUT_S} s (proves nothing)", time.time() - t0
     if NOT_APPLIED in out:
         line = next(l for l in out.splitlines() if NOT_APPLIED in l)
         return set(), line[line.index(NOT_APPLIED):], time.time() - t0
