@@ -87,3 +87,28 @@ def smollm2():
     from veloxquant_mlx.models import load_model
 
     return load_model("smollm2")
+
+
+@pytest.fixture
+def attention_on_codes(monkeypatch):
+    """Counts `TurboQuantPackedCache.attend_packed` calls (``calls["attend_packed"]``) and makes any decoding
+    fetch of the history while the packed-attention hook is active fail the test: with the fixture, a test
+    that runs a compressed cache inside ``use_packed_attention()`` shows that attention really ran on the codes."""
+    from veloxquant_mlx.attention import hook
+    from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache
+
+    calls = {"attend_packed": 0}
+    attend, fetch = TurboQuantPackedCache.attend_packed, TurboQuantPackedCache._fetch
+
+    def counted(self, *args, **kwargs):
+        calls["attend_packed"] += 1
+        return attend(self, *args, **kwargs)
+
+    def no_decoding(self, dtype):
+        if hook.is_active():
+            raise AssertionError(f"{type(self).__name__} decoded its history while attention on codes was on")
+        return fetch(self, dtype)
+
+    monkeypatch.setattr(TurboQuantPackedCache, "attend_packed", counted)
+    monkeypatch.setattr(TurboQuantPackedCache, "_fetch", no_decoding)
+    return calls

@@ -40,12 +40,37 @@ def test_bad_arguments_exit_nonzero_with_one_line(capsys, argv, pattern):
     assert re.search(pattern, _one_line_error(err))
 
 
+def _packed(width, bits):
+    """Bytes of one Lloyd-Max coded vector: ``width`` b-bit indices in uint32 words + a bfloat16 norm."""
+    return 4 * -(-width * bits // 32) + 2
+
+
+# Bytes per token per layer of each registered configuration, 2 kv heads of d = 64, from its stored layout
+# (the marginal bytes `methods` measures between 256 and 512 tokens; the 4 exact sink tokens are fixed cost).
+H, D = 2, 64
+LAYOUT_BYTES = {
+    "kv": 2 * H * D * 4,  # float32 K and V
+    # mlx_lm QuantizedKVCache: b-bit codes + a float32 scale and bias per group of 64
+    **{f"mlx-q{b}": 2 * H * (D * b // 8 + 2 * 4) for b in (8, 4, 2)},
+    **{f"tq-mse-k{b}v{b}": 2 * H * _packed(D, b) for b in (4, 3, 2)},
+    # Prod keys: (b-1)-bit indices + a 64-bit QJL sign sketch + a bfloat16 residual norm; values are MSE codes
+    "tq-prod-k4v4": H * (_packed(D, 3) + D // 8 + 2 + _packed(D, 4)),
+    "tq-rvq-k2v2": 2 * H * _packed(D, 2 * 2),  # two 2-bit index streams and one norm
+    # rotation + MLX affine codes: b bits + a float16 scale and bias per group of 64
+    **{f"tq-affine-k{kb}v{vb}": H * (D * kb // 8 + 4 + D * vb // 8 + 4) for kb, vb in ((4, 4), (8, 4), (8, 8))},
+}
+
+
 def test_methods_lists_measured_bytes(capsys):
+    from veloxquant_mlx.eval import registered_specs
+
     assert main(["methods", "--head-dim", "64", "--kv-heads", "2"]) == 0
     out = capsys.readouterr().out
-    rows = {l.split()[0]: l.split() for l in out.splitlines() if l.split() and l.split()[0] in ("kv", "mlx-q4")}
-    assert float(rows["kv"][3]) == 2 * 2 * 64 * 4  # float32 keys + values, 2 heads
-    assert float(rows["mlx-q4"][3]) < float(rows["kv"][3])
+    rows = {l.split()[0]: l.split() for l in out.splitlines() if l.split() and l.split()[0] in LAYOUT_BYTES}
+    assert set(rows) == {s.name for s in registered_specs()} == set(LAYOUT_BYTES)
+    for name, expected in LAYOUT_BYTES.items():
+        assert float(rows[name][3]) == expected, name
+        assert float(rows[name][4]) == pytest.approx(8 * expected / (2 * H * D), abs=5e-4), name  # bits/coord
 
 
 def test_plan_longest_context(capsys):
@@ -80,25 +105,42 @@ def test_unknown_method_and_too_long_context(smollm2, capsys):
 
 
 @pytest.mark.model
-def test_generate_streams_answer(smollm2, capsys):
-    rc = main(["generate", "--prompt", "What is the capital of France?", "--max-tokens", "8", "--method", "mlx-q8"])
+@pytest.mark.parametrize("method", ["tq-affine-k8v8", "tq-mse-k4v4"])
+def test_generate_streams_answer(smollm2, capsys, attention_on_codes, method):
+    rc = main(["generate", "--prompt", "What is the capital of France?", "--max-tokens", "8", "--method", method])
     assert rc == 0
     assert "Paris" in capsys.readouterr().out
+    # the registered compressed cache answered with attention on its codes, in every layer at every step
+    assert attention_on_codes["attend_packed"] >= len(smollm2[0].layers) * 8
+
+
+# KL to the plain cache of `veloxquant demo --context 96` on SmolLM2, measured: tq-affine-k8v8 3.7e-5,
+# tq-mse-k4v4 0.0179 (tq-mse-k3v3: 0.070 at context 64). Bound: 2x the measured KL.
+DEMO_KL = {"tq-affine-k8v8": 3.7e-5, "tq-mse-k4v4": 0.0179}
 
 
 @pytest.mark.model
-def test_demo_small(smollm2, capsys, tmp_path):
+def test_demo_small(smollm2, capsys, tmp_path, attention_on_codes):
     out = tmp_path / "demo.json"
-    rc = main(["demo", "--context", "64", "--max-tokens", "4", "--methods", "kv,mlx-q8", "--no-progress",
-               "--out", str(out)])
+    # context 96: past the 4 sink tokens, the 8-token trim headroom and one 64-token key block, so the
+    # affine_block configuration really codes tokens (at 64 it would hold them all exact)
+    rc = main(["demo", "--context", "96", "--max-tokens", "4", "--methods", "kv," + ",".join(DEMO_KL),
+               "--no-progress", "--out", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
-    assert "mlx-q8" in text and "Δppl" in text
+    assert "tq-mse-k4v4" in text and "Δppl" in text
     import json
 
     data = json.loads(out.read_text())
-    assert set(data["methods"]) == {"kv", "mlx-q8"}
-    assert data["methods"]["kv"]["ppl"]["delta_ppl"] == 0.0
+    methods = data["methods"]
+    assert set(methods) == {"kv", *DEMO_KL}
+    assert methods["kv"]["ppl"]["delta_ppl"] == 0.0 and methods["kv"]["ppl"]["kl"] == 0.0
+    for name, measured in DEMO_KL.items():
+        assert 0.0 <= methods[name]["ppl"]["kl"] < 2 * measured, (name, methods[name]["ppl"]["kl"])
+        assert methods[name]["ppl"]["memory"]["bits_per_coordinate"] < methods["kv"]["ppl"]["memory"]["bits_per_coordinate"] / 3
+    # the near-lossless 8-bit cache answers exactly as the plain cache does
+    assert methods["tq-affine-k8v8"]["answer"] == methods["kv"]["answer"]
+    assert attention_on_codes["attend_packed"] >= 2 * len(smollm2[0].layers) * 4
 
 
 def test_real_subprocess(tmp_path):
@@ -109,7 +151,8 @@ def test_real_subprocess(tmp_path):
         capture_output=True, text=True, cwd=ROOT, env=env, timeout=120,
     )
     assert ok.returncode == 0, ok.stderr
-    assert "mlx-q4" in ok.stdout
+    row = next(l for l in ok.stdout.splitlines() if l.startswith("kv "))
+    assert int(row.split()[-1].replace(",", "")) == 2 * 2**30 // (30 * 2 * 3 * 64 * 4)  # float32 K+V, 30 layers
     bad = subprocess.run(
         [sys.executable, "-m", "veloxquant_mlx.cli", "generate", "--prompt", "x", "--bits", "-1"],
         capture_output=True, text=True, cwd=ROOT, env=env, timeout=120,

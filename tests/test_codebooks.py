@@ -97,10 +97,11 @@ def test_quantize_to_codebook_is_nearest(bits):
     np.testing.assert_array_equal(idx, nearest)
 
 
-@pytest.mark.parametrize("args,err", [
-    (("beta", 4), ValueError), (("beta", 4, 1), ValueError), (("cauchy", 4, 8), ValueError),
-    (("beta", 0, 8), ValueError), (("beta", 9, 8), ValueError), (("laplace", 2), ValueError),
-    (("beta", 2, 8.0), TypeError), (("laplace", 2, None, -1.0), ValueError)])
-def test_bad_args(args, err):
-    with pytest.raises(err):
+@pytest.mark.parametrize("args,err,match", [
+    (("beta", 4), ValueError, r"needs d >= 2.*got d=None"), (("beta", 4, 1), ValueError, r"needs d >= 2.*got d=1"),
+    (("cauchy", 4, 8), ValueError, r"dist must be one of"), (("beta", 0, 8), ValueError, r"bits must be an int in 1\.\.8"),
+    (("beta", 9, 8), ValueError, r"bits must be an int in 1\.\.8"), (("laplace", 2), ValueError, r"needs scale"),
+    (("beta", 2, 8.0), TypeError, r"d must be an int"), (("laplace", 2, None, -1.0), ValueError, r"scale must be")])
+def test_bad_args(args, err, match):
+    with pytest.raises(err, match=match):
         lloyd_max_codebook(*args)

@@ -11,10 +11,17 @@ made where greedy margins are meaningful: with the plain cache's tokens fed to b
 equal the plain cache's at every step whose plain top-1 margin is at least ``MARGIN`` x the logits' standard
 deviation, and those steps must be the majority; free-running, our tokens must equal the plain cache's up
 to the first near tie. A 1-bit cache fails the same check (see `test_one_bit_cache_fails_the_check`).
+
+The logits themselves are bounded too: with the plain cache's tokens fed to both, max |logit_ours -
+logit_plain| / std(logit_plain) over every step must stay below ``MAX_LOGIT_ERROR``. Measured over the 24
+cases (4 models x 3 dtypes x batch 1, 2), worst case: 0.173 at 8 bits (gemma3 bfloat16), 0.393 at 6 bits,
+1.19 at 4 bits (4 bits: at least 0.48 in every case). ``MAX_LOGIT_ERROR`` = 0.25 leaves 1.45x above the
+8-bit worst and lies below the worst 6-bit and every 4-bit case (`test_lower_bits_exceed_the_logit_bound`).
 """
 from __future__ import annotations
 
 import copy
+import math
 
 import mlx.core as mx
 import pytest
@@ -29,6 +36,7 @@ from veloxquant_mlx.cache.prompt_cache_io import mlx_lm_cache_classes
 
 WEIGHT_SCALE = 4.0
 MARGIN = 0.15
+MAX_LOGIT_ERROR = 0.25
 N_TOKENS = 32
 PROMPT = [(i * 37 + 11) % 128 for i in range(24)]
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -102,21 +110,32 @@ class FakeTokenizer:
 
 
 # -- generation: 8-bit keys and values give the plain cache's greedy tokens ------------------------
-def compare_greedy(model, options, batch):
-    """Run the plain cache greedily; feed its tokens to our cache too. Returns per-step facts."""
+def compare_greedy(model, options, batch, errors=None):
+    """Run the plain cache greedily; feed its tokens to our cache too. Returns per-step facts
+    (plain tokens, our tokens, plain top-1 confident) per row; ``errors`` (a list) receives each step's
+    max |logit_ours - logit_plain| / std(logit_plain), a (batch,) list."""
     prompt = batch_prompt(batch)
     plain, ours = mlx_cache.make_prompt_cache(model), vq.make_prompt_cache(model, **options)
     lp, lo = model(prompt, cache=plain)[:, -1], model(prompt, cache=ours)[:, -1]
     steps = []
     for _ in range(N_TOKENS):
         lp32 = lp.astype(mx.float32)
+        spread = mx.std(lp32, axis=-1)
         top2 = mx.sort(lp32, axis=-1)[:, -2:]
-        confident = (top2[:, 1] - top2[:, 0]) >= MARGIN * mx.std(lp32, axis=-1)
+        confident = (top2[:, 1] - top2[:, 0]) >= MARGIN * spread
         tok = mx.argmax(lp, axis=-1)
         steps.append((tok.tolist(), mx.argmax(lo, axis=-1).tolist(), confident.tolist()))
+        if errors is not None:
+            errors.append((mx.max(mx.abs(lo.astype(mx.float32) - lp32), axis=-1) / spread).tolist())
         assert lo.dtype == lp.dtype
         lp, lo = model(tok[:, None], cache=plain)[:, -1], model(tok[:, None], cache=ours)[:, -1]
     return steps
+
+
+def worst_logit_error(model, options, batch):
+    errors = []
+    compare_greedy(model, options, batch, errors)
+    return max(max(e) for e in errors)
 
 
 def free_running(model, options, batch):
@@ -131,7 +150,10 @@ def free_running(model, options, batch):
 @pytest.mark.parametrize("batch", [1, 2])
 def test_8bit_greedy_tokens_equal_plain_cache(name, dtype, batch):
     model = tiny_model(name, DTYPES[dtype])
-    steps = compare_greedy(model, dict(k_bits=8, v_bits=8), batch)
+    errors = []
+    steps = compare_greedy(model, dict(k_bits=8, v_bits=8), batch, errors)
+    worst = max(max(e) for e in errors)
+    assert worst < MAX_LOGIT_ERROR, worst
     for row in range(batch):
         plain = [s[0][row] for s in steps]
         assert len(set(plain)) >= 6, "degenerate baseline: the comparison would be vacuous"
@@ -163,10 +185,17 @@ def test_one_bit_cache_fails_the_check(name):
     assert any(ok[0] and t_ours[0] != t_plain[0] for t_plain, t_ours, ok in steps)
 
 
+@pytest.mark.parametrize("name,bits", [("gemma3", 6), ("llama", 4)])
+def test_lower_bits_exceed_the_logit_bound(name, bits):
+    # The logit bound has teeth: measured 0.393 (gemma3, 6 bits) and 1.02 (llama, 4 bits) in these cases.
+    assert worst_logit_error(tiny_model(name), dict(k_bits=bits, v_bits=bits), 2) > MAX_LOGIT_ERROR
+
+
 def test_stream_generate_and_generate_with_prompt_cache():
     model = tiny_model("qwen3")
     tok = TokenizerWrapper(FakeTokenizer())
-    base = [r.token for r in stream_generate(model, tok, PROMPT, max_tokens=N_TOKENS)]
+    plain_cache = mlx_cache.make_prompt_cache(model)
+    base = [r.token for r in stream_generate(model, tok, PROMPT, max_tokens=N_TOKENS, prompt_cache=plain_cache)]
     cache = vq.make_prompt_cache(model, k_bits=8, v_bits=8)
     ours = [r.token for r in stream_generate(model, tok, PROMPT, max_tokens=N_TOKENS, prompt_cache=cache)]
     steps = compare_greedy(model, dict(k_bits=8, v_bits=8), 1)
@@ -177,7 +206,8 @@ def test_stream_generate_and_generate_with_prompt_cache():
     from mlx_lm import generate
 
     text = generate(model, tok, [5, 6, 7], max_tokens=4, prompt_cache=cache)
-    assert text.count("<") == 4
+    assert text == generate(model, tok, [5, 6, 7], max_tokens=4, prompt_cache=plain_cache)
+    assert len(text.split(">")) == 5  # 4 tokens "<i>"
 
 
 def test_speculative_decoding_trims_our_caches():
@@ -243,7 +273,7 @@ def test_mlx_lm_loader_works_inside_the_context_only(tmp_path):
     greedy(model, cache, batch_prompt(1), n=4)
     path = str(tmp_path / "c.safetensors")
     mlx_cache.save_prompt_cache(path, cache)  # mlx_lm's own writer handles our state
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError, match="TurboQuantPackedCache"):  # mlx_lm's own loader does not know our class
         mlx_cache.load_prompt_cache(path)
     with mlx_lm_cache_classes():
         loaded = mlx_cache.load_prompt_cache(path)
@@ -306,9 +336,27 @@ def test_nbytes_is_the_sum_of_stored_arrays():
         assert c.nbytes == held
         saved = sum(v.nbytes for v in c.state.values() if isinstance(v, mx.array))
         assert c.live_nbytes == saved
-        if type(c) is vq.cache.TurboQuantPackedCache:  # (the 8-token windows are all exact here)
-            plain = 2 * c.size() * 2 * 2 * 16 * 4  # K+V, B=2, H=2, d=16, float32
-            assert saved < plain
+        assert c.live_nbytes == stored_layout_bytes(c)
+
+
+def packed_bytes(width, bits):
+    """One token's codes of one head: ``width`` b-bit indices in uint32 words + a bfloat16 norm."""
+    return 4 * math.ceil(width * bits / 32) + 2
+
+
+def stored_layout_bytes(c, B=2, H=2, d=16, n_out=4, k_bits=3, v_bits=2, outlier_bits=8):
+    """The stored layout of `test_nbytes_is_the_sum_of_stored_arrays`'s caches, counted by hand.
+
+    Exact tokens (sink, the recent window and the trim headroom): float32 K and V. Coded tokens: keys as
+    12 inlier channels at k_bits + 4 outlier channels at outlier_bits, values as 16 channels at v_bits.
+    Fitted per head: bfloat16 channel means of K and V, uint8 outlier channel indices.
+    """
+    n = c.size()
+    exact = min(n, c.sink + c.recent + c.trim_headroom)  # every older token is coded
+    coded = n - exact
+    per_coded = packed_bytes(d - n_out, k_bits) + packed_bytes(n_out, outlier_bits) + packed_bytes(d, v_bits)
+    fitted = H * (2 * d * 2 + n_out) if n > c.sink + c.recent else 0  # fitted once the window overflows
+    return B * H * (exact * 2 * d * 4 + coded * per_coded) + fitted
 
 
 # -- batch_generate ---------------------------------------------------------------------------------

@@ -7,8 +7,6 @@ import pytest
 from veloxquant_mlx.models import INSTALL_HINT, ModelPackageMissing, load_model
 from veloxquant_mlx.models import loader as loader_mod
 
-pytestmark = []
-
 
 def _chat(tok, text):
     return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
