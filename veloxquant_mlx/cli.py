@@ -315,7 +315,7 @@ def cmd_generate(args) -> int:
     from .distributed import rank_summary, shard
     from .eval.memory import model_kv_shape
     from .eval.specs import resolve_spec
-    from .integration import enable
+    from .integration import disable, enable
 
     group = mx.distributed.init()  # one rank unless launched with mlx.launch
     if args.pipeline and group.size() == 1:
@@ -330,12 +330,16 @@ def cmd_generate(args) -> int:
         enable(model, spec.options)  # mlx_lm builds our caches itself and attends from their codes
     else:
         cache = spec.make_cache(model)
-    _say(f"[{spec.name}] {rank_summary(model, spec.make_cache, group)}")
-    leader, last = group.rank() == 0, None
-    for resp in stream_generate(model, tok, ids, max_tokens=args.max_tokens, prompt_cache=cache, prefill_step_size=256):
-        if leader:
-            print(resp.text, end="", flush=True)
-        last = resp
+    try:
+        _say(f"[{spec.name}] {rank_summary(model, spec.make_cache, group)}")
+        leader, last = group.rank() == 0, None
+        for resp in stream_generate(model, tok, ids, max_tokens=args.max_tokens, prompt_cache=cache,
+                                    prefill_step_size=256):
+            if leader:
+                print(resp.text, end="", flush=True)
+            last = resp
+    finally:
+        disable(model)
     if leader:
         print()
     if last is not None and leader:
@@ -460,5 +464,26 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 130
 
 
+def exit_process(code: int) -> None:
+    """End a real process after a command: flush, then ``os._exit``.
+
+    After ``veloxquant serve`` has stopped every thread it started, mlx_lm's generation thread leaves a
+    thread-local MLX stream behind whose C++ worker is destroyed at interpreter exit, which aborts the process
+    ("terminate called without an active exception") about one run in three; everything is closed by then, so
+    the process ends without running those destructors.
+    """
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run() -> None:
+    """The ``veloxquant`` console script."""
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

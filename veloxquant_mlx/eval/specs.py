@@ -182,9 +182,12 @@ def resolve_spec(method: str, bits: Optional[float] = None, head_dim: Optional[i
         raise ValueError(
             f"method {method!r} needs --bits, one of: {', '.join(f'{b:g}' for b in allowed)}"
         )
-    for s in family:
-        if float(s.bits) == float(bits):
-            return s
+    matches = [s for s in family if float(s.bits) == float(bits)]
+    if len(matches) > 1:
+        raise ValueError(f"method {method!r} with --bits {bits:g} is ambiguous: choose one of "
+                         f"{', '.join(s.name for s in matches)}")
+    if matches:
+        return matches[0]
     raise ValueError(
         f"bits {bits:g} out of range for method {method!r}; allowed: {', '.join(f'{b:g}' for b in allowed)}"
     )
