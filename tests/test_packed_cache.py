@@ -57,14 +57,17 @@ def test_fetch_shapes_dtype_and_growth(dtype):
     assert cache.v_codes.capacity == 512  # grown in whole steps of 256
 
 
-def test_error_falls_with_bits():
+@pytest.mark.parametrize("b", [2, 3, 4, 8])
+def test_error_is_the_codebooks_at_each_bit_width(b):
+    # Rotated unit-vector coordinates coded with the Lloyd-Max codebook: relative error sqrt(D_mse(b)), the
+    # codebook's own prediction (measured within 3 % of it here); ±10 % keeps b-1 and b+1 bits out (≥ 1.9x apart).
+    from veloxquant_mlx.quantizers import TurboQuantMSE
+
     k, v = kv(B=2, T=64, seed=1)
-    errs = []
-    for b in (2, 4, 8):
-        keys, values = TurboQuantPackedCache(cfg(bit_width_inlier=b)).update_and_fetch(k, v)
-        errs.append((rel_err(keys, k), rel_err(values, v)))
-    assert errs[0][0] > errs[1][0] > errs[2][0] and errs[0][1] > errs[1][1] > errs[2][1]
-    assert errs[2][0] < 0.05
+    predicted = TurboQuantMSE(D, b).expected_d_mse ** 0.5
+    keys, values = TurboQuantPackedCache(cfg(bit_width_inlier=b)).update_and_fetch(k, v)
+    for err in (rel_err(keys, k), rel_err(values, v)):
+        assert 0.9 * predicted <= err <= 1.1 * predicted, (err, predicted)
 
 
 def test_key_and_value_bits_are_separate():
@@ -306,7 +309,8 @@ def test_block_codec_codes_whole_blocks_and_reads_the_rest_exactly():
     assert cache.k_codes.view()["scales"].shape == (1, 2, DB, 3)
     exact = [0, 97, 98, 99]
     assert mx.array_equal(keys[:, :, exact], k[:, :, exact]) and mx.array_equal(values[:, :, exact], v[:, :, exact])
-    assert 0 < rel_err(keys[:, :, 1:97], k[:, :, 1:97]) < 0.2 and 0 < rel_err(values[:, :, 1:97], v[:, :, 1:97]) < 0.2
+    # 4-bit codes: measured 0.071 (keys) / 0.081 (values); 3 bits give 0.151 / 0.169, 5 bits 0.035 / 0.038.
+    assert 0.05 < rel_err(keys[:, :, 1:97], k[:, :, 1:97]) < 0.1 and 0.05 < rel_err(values[:, :, 1:97], v[:, :, 1:97]) < 0.1
     arrays = [a for n, a in cache.state.items() if n != "meta"]
     assert cache.live_nbytes == sum(a.nbytes for a in arrays)
 

@@ -186,8 +186,15 @@ def test_affine_caches_hold_affine_codecs_and_count_every_byte(llama_model):
         arrays = [a for n, a in c.state.items() if n != "meta"]
         assert c.live_nbytes == sum(a.nbytes for a in arrays)
         assert c.nbytes >= c.live_nbytes
-        # 4-bit codes + float16 scale/bias per 32-wide head: well under the 32 bits of float32.
-        assert 4.0 < c.bits_per_coordinate() < 8.0
+        # The stored layout, counted by hand: exact sink and tail tokens in the model dtype; per coded token and
+        # head 4-bit codes + a float16 scale and bias per group, for K and for V; the fitted float32 means.
+        B, H = c.v_codes.view()["w_q"].shape[:2]
+        d, gs = c.dims[0], c.k_codec.group_size
+        exact = (c.sink_store.length + c.tail.length) * 2 * d * 4
+        coded = c.n_coded * 2 * (d * 4 // 8 + 2 * 2 * (d // gs))
+        stored = B * H * (exact + coded) + 2 * H * d * 4
+        assert c.live_nbytes == stored
+        assert c.bits_per_coordinate() == pytest.approx(8 * stored / (B * H * c.offset * 2 * d), rel=1e-12)
     lm = make_prompt_cache(llama_model, k_bits=4)
     with use_packed_attention():
         prefill(llama_model, lm, prompt(1))

@@ -8,6 +8,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from .validate import check_int
+
 ROTATIONS = ("haar", "hadamard")
 # Options of the seed implementation that are no-ops here (everything is always vectorized).
 DEPRECATED_OPTIONS = ("enable_vectorized_attend", "enable_fused_query_dot", "store")
@@ -21,17 +23,8 @@ def _method_names() -> tuple:
 
 
 def _int_field(obj, name: str, lo: Optional[int] = None, hi: Optional[int] = None, optional: bool = False):
-    v = getattr(obj, name)
-    if v is None and optional:
-        return
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-        kind = "an int or None" if optional else "an int"
-        raise TypeError(f"KVCacheConfig.{name} must be {kind}, got {type(v).__name__} ({v!r})")
-    v = int(v)
+    v = check_int(f"KVCacheConfig.{name}", getattr(obj, name), lo, hi, optional=optional)
     object.__setattr__(obj, name, v)  # numpy ints become plain ints (JSON-safe)
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        rng = f"in {lo}..{hi}" if hi is not None else f">= {lo}"
-        raise ValueError(f"KVCacheConfig.{name} must be {rng}, got {v}")
 
 
 @dataclass

@@ -16,6 +16,8 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
+from .validate import check_int
+
 ROTATION_KINDS = ("haar", "hadamard")
 _HADAMARD_BASES = (1, 12, 20, 28)
 
@@ -28,10 +30,8 @@ STREAM_QJL = 0x7105_0003
 
 
 def _check_d_seed(d, seed):
-    if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or int(d) < 1:
-        raise ValueError(f"d must be an int >= 1, got {d!r}")
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or int(seed) < 0:
-        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+    check_int("d", d, 1)
+    check_int("seed", seed, 0)
 
 
 def hadamard_supported(d: int) -> bool:

@@ -30,7 +30,7 @@ def check_int(name: str, value, lo: Optional[int] = None, hi: Optional[int] = No
             allowed = f"<= {hi}"
         else:
             allowed = f"in {lo}..{hi}"
-        raise ValueError(f"{name} must be {allowed}, got {v}")
+        raise ValueError(f"{name} must be an int {allowed}, got {v}")
     return v
 
 

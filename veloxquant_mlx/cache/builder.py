@@ -96,14 +96,18 @@ def attention_is_routable(model) -> bool:
 
 def _model_layout(model, max_kv_size: Optional[int]) -> List[Any]:
     """The caches mlx_lm's ``make_prompt_cache`` gives ``model``, ignoring a ``make_cache`` that `enable` put on
-    the instance (ours: it would call back here) but honouring the class's own."""
+    the instance (ours: it would call back here) but honouring the class's own.
+
+    ``max_kv_size`` turns every full-attention layer into a window of that size (``keep=4``, as mlx_lm does for
+    models without ``make_cache``; mlx_lm ignores it for models with one, which would drop the user's limit
+    without a word).
+    """
     own = getattr(type(model), "make_cache", None)
-    if own is not None:
-        return own(model)
-    n = len(model.layers)
-    if max_kv_size is not None:
-        return [mlx_cache.RotatingKVCache(max_size=max_kv_size, keep=4) for _ in range(n)]
-    return [mlx_cache.KVCache() for _ in range(n)]
+    base = own(model) if own is not None else [mlx_cache.KVCache() for _ in range(len(model.layers))]
+    if max_kv_size is None:
+        return base
+    return [mlx_cache.RotatingKVCache(max_size=max_kv_size, keep=4) if type(c) is mlx_cache.KVCache else c
+            for c in base]
 
 
 class KVCacheBuilder:

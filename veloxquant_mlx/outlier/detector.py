@@ -19,14 +19,7 @@ import numpy as np
 
 from veloxquant_mlx.core.abstractions import as_float_rows
 from veloxquant_mlx.core.constants import DEFAULT_N_CALIB_TOKENS
-
-
-def _check_int(value: Any, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int >= {minimum}, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value}")
-    return int(value)
+from veloxquant_mlx.validate import check_int
 
 
 class OutlierDetector:
@@ -42,8 +35,8 @@ class OutlierDetector:
     """
 
     def __init__(self, n_outliers: int, n_calib: int = DEFAULT_N_CALIB_TOKENS) -> None:
-        self.n_outliers = _check_int(n_outliers, "n_outliers", 0)
-        self.n_calib = _check_int(n_calib, "n_calib", 1)
+        self.n_outliers = check_int("n_outliers", n_outliers, 0)
+        self.n_calib = check_int("n_calib", n_calib, 1)
         self.reset()
 
     def reset(self) -> None:

@@ -8,23 +8,6 @@ NORM_DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.flo
 _FLOAT_DTYPES = {mx.float16: "float16", mx.bfloat16: "bfloat16", mx.float32: "float32", mx.float64: "float64"}
 
 
-def check_int(value, name: str, lo: int, hi: int | None = None) -> int:
-    """``value`` as int, or TypeError/ValueError naming ``name`` and the allowed range."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
-    v = int(value)
-    if v < lo or (hi is not None and v > hi):
-        allowed = f"in {lo}..{hi}" if hi is not None else f">= {lo}"
-        raise ValueError(f"{name} must be an int {allowed}, got {v}")
-    return v
-
-
-def check_choice(value, name: str, choices) -> str:
-    if not isinstance(value, str) or value not in choices:
-        raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
-    return value
-
-
 def as_float_input(x, d: int, name: str = "x"):
     """Validate a ``(..., d)`` float input; returns (float32 mx.array, dtype name to decode to).
 

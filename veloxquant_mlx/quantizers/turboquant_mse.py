@@ -13,8 +13,9 @@ from ..codebooks import Codebook, lloyd_max_codebook, quantize_to_codebook
 from ..core.context import EncodedVector
 from ..dsa.bit_pack import pack
 from ..rotation import ROTATION_KINDS, make_rotation
-from ._common import (NORM_DTYPES, as_float_input, as_query, check_choice, check_encoded, check_int, scores,
-                      store_norms, to_output_dtype, unit_and_norm)
+from ..validate import check_choice, check_int
+from ._common import (NORM_DTYPES, as_float_input, as_query, check_encoded, scores, store_norms,
+                      to_output_dtype, unit_and_norm)
 
 CODEBOOK_KINDS = ("beta", "gaussian")
 
@@ -40,12 +41,12 @@ class TurboQuantMSE:
 
     def __init__(self, d: int, b: int, seed: int = 0, rotation: str = "haar", codebook: str = "beta",
                  norm_dtype: str = "bfloat16"):
-        self.d = check_int(d, "d", 2)
-        self.b = check_int(b, "b", 1, 8)
-        self.seed = check_int(seed, "seed", 0)
-        self.rotation_kind = check_choice(rotation, "rotation", ROTATION_KINDS)
-        self.codebook_kind = check_choice(codebook, "codebook", CODEBOOK_KINDS)
-        self.norm_dtype_name = check_choice(norm_dtype, "norm_dtype", NORM_DTYPES)
+        self.d = check_int("d", d, 2)
+        self.b = check_int("b", b, 1, 8)
+        self.seed = check_int("seed", seed, 0)
+        self.rotation_kind = check_choice("rotation", rotation, ROTATION_KINDS)
+        self.codebook_kind = check_choice("codebook", codebook, CODEBOOK_KINDS)
+        self.norm_dtype_name = check_choice("norm_dtype", norm_dtype, NORM_DTYPES)
         self.norm_dtype = NORM_DTYPES[norm_dtype]
         self.rotation = make_rotation(self.d, self.seed, self.rotation_kind)
         self.codebook: Codebook = lloyd_max_codebook(self.codebook_kind, self.b, d=self.d)

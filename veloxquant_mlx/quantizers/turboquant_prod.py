@@ -18,8 +18,9 @@ import numpy as np
 from ..core.context import EncodedVector
 from ..dsa.bit_pack import pack
 from ..rotation import ROTATION_KINDS, STREAM_QJL, make_rotation
-from ._common import (NORM_DTYPES, as_float_input, as_query, check_choice, check_encoded, check_int, safe_norm,
-                      scores, store_norms, to_output_dtype, unit_and_norm)
+from ..validate import check_choice, check_int
+from ._common import (NORM_DTYPES, as_float_input, as_query, check_encoded, safe_norm, scores, store_norms,
+                      to_output_dtype, unit_and_norm)
 from .turboquant_mse import CODEBOOK_KINDS, TurboQuantMSE
 
 
@@ -38,13 +39,13 @@ class TurboQuantProd:
 
     def __init__(self, d: int, b: int, m: int | None = None, seed: int = 0, rotation: str = "haar",
                  codebook: str = "beta", norm_dtype: str = "bfloat16"):
-        self.d = check_int(d, "d", 2)
-        self.b = check_int(b, "b", 1, 8)
-        self.m = self.m_default(self.d, self.b) if m is None else check_int(m, "m", 1)
-        self.seed = check_int(seed, "seed", 0)
-        self.rotation_kind = check_choice(rotation, "rotation", ROTATION_KINDS)
-        self.codebook_kind = check_choice(codebook, "codebook", CODEBOOK_KINDS)
-        self.norm_dtype_name = check_choice(norm_dtype, "norm_dtype", NORM_DTYPES)
+        self.d = check_int("d", d, 2)
+        self.b = check_int("b", b, 1, 8)
+        self.m = self.m_default(self.d, self.b) if m is None else check_int("m", m, 1)
+        self.seed = check_int("seed", seed, 0)
+        self.rotation_kind = check_choice("rotation", rotation, ROTATION_KINDS)
+        self.codebook_kind = check_choice("codebook", codebook, CODEBOOK_KINDS)
+        self.norm_dtype_name = check_choice("norm_dtype", norm_dtype, NORM_DTYPES)
         self.norm_dtype = NORM_DTYPES[norm_dtype]
         self.mse = (TurboQuantMSE(self.d, self.b - 1, self.seed, rotation, codebook, norm_dtype)
                     if self.b > 1 else None)
@@ -58,7 +59,7 @@ class TurboQuantProd:
     @staticmethod
     def m_default(d: int, b: int) -> int:
         """Default QJL sketch length: m = d (the paper's choice)."""
-        return check_int(d, "d", 1)
+        return check_int("d", d, 1)
 
     def encode(self, x) -> EncodedVector:
         """``(..., d)`` float array -> EncodedVector (indices, norms, signs, residual_norm)."""

@@ -13,8 +13,9 @@ from ..codebooks import lloyd_max_codebook, mean_abs_residual, quantize_to_codeb
 from ..core.context import EncodedVector
 from ..dsa.bit_pack import pack
 from ..rotation import ROTATION_KINDS, make_rotation
-from ._common import (NORM_DTYPES, as_float_input, as_query, check_choice, check_encoded, check_int, scores,
-                      store_norms, to_output_dtype, unit_and_norm)
+from ..validate import check_choice, check_int
+from ._common import (NORM_DTYPES, as_float_input, as_query, check_encoded, scores, store_norms,
+                      to_output_dtype, unit_and_norm)
 
 
 class TurboQuantRVQ:
@@ -27,11 +28,11 @@ class TurboQuantRVQ:
     quantizer_type = "turboquant_rvq"
 
     def __init__(self, d: int, b: int, seed: int = 0, rotation: str = "haar", norm_dtype: str = "bfloat16"):
-        self.d = check_int(d, "d", 2)
-        self.b = check_int(b, "b", 1, 8)
-        self.seed = check_int(seed, "seed", 0)
-        self.rotation_kind = check_choice(rotation, "rotation", ROTATION_KINDS)
-        self.norm_dtype_name = check_choice(norm_dtype, "norm_dtype", NORM_DTYPES)
+        self.d = check_int("d", d, 2)
+        self.b = check_int("b", b, 1, 8)
+        self.seed = check_int("seed", seed, 0)
+        self.rotation_kind = check_choice("rotation", rotation, ROTATION_KINDS)
+        self.norm_dtype_name = check_choice("norm_dtype", norm_dtype, NORM_DTYPES)
         self.norm_dtype = NORM_DTYPES[norm_dtype]
         self.rotation = make_rotation(self.d, self.seed, self.rotation_kind)
         self.codebook1 = lloyd_max_codebook("gaussian", self.b, d=self.d)
