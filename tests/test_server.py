@@ -126,7 +126,7 @@ def test_footprint_is_what_veloxquant_methods_reports(tiny_model):
     n_layers, kv_heads, head_dim = 2, 1, 64  # conftest's tiny model
     rows = {spec.name: m for spec, m in cli._measured(head_dim, kv_heads)}
     for name in ("kv", "mlx-q4", METHOD):
-        fp = vs.measure_footprint(tiny_model, vs.cache_factory(resolve_spec(name)))
+        fp = vs.measure_footprint(tiny_model, resolve_spec(name).make_cache)
         assert fp["layers"] == n_layers
         assert fp["bytes_per_token_per_layer"] == rows[name]["bytes_per_token_per_layer"]
         assert fp["bits_per_coordinate"] == rows[name]["bits_per_coordinate"]
@@ -138,12 +138,12 @@ def test_footprint_is_what_veloxquant_methods_reports(tiny_model):
 
 
 def test_batching_probe_tries_merge(tiny_model):
-    ok, reason = vs.probe_batching(tiny_model, vs.cache_factory(resolve_spec("kv")))
+    ok, reason = vs.probe_batching(tiny_model, resolve_spec("kv").make_cache)
     assert ok, reason
-    ok, reason = vs.probe_batching(tiny_model, vs.cache_factory(resolve_spec("mlx-q4")))
+    ok, reason = vs.probe_batching(tiny_model, resolve_spec("mlx-q4").make_cache)
     assert not ok and reason.startswith("QuantizedKVCache.merge")  # mlx_lm's quantized cache has none
     # today's compressed caches refuse merge (when they learn it, this and the log line change together)
-    ok, reason = vs.probe_batching(tiny_model, vs.cache_factory(resolve_spec(METHOD)))
+    ok, reason = vs.probe_batching(tiny_model, resolve_spec(METHOD).make_cache)
     assert not ok and reason.startswith("TurboQuantPackedCache.merge"), reason
 
 
@@ -229,7 +229,7 @@ def test_answers_and_prompt_cache_reuse_match_the_library(serve, smollm2, on_cod
     client = _client(handle)
     first = _user("What is the capital of France?")
     prompt1 = tokenizer.apply_chat_template(first, add_generation_prompt=True)
-    ref_cache = vs.cache_factory(resolve_spec(METHOD))(model)
+    ref_cache = resolve_spec(METHOD).make_cache(model)
     ref1, gen1 = _library_generate(model, tokenizer, prompt1, ref_cache)
     assert "Paris" in ref1
 

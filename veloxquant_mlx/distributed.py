@@ -40,6 +40,7 @@ def shard(model, group: Optional[mx.distributed.Group] = None, *, pipeline: bool
             raise ValueError(f"pipeline parallelism over {n} ranks needs at least {n} layers, the model has "
                              f"{len(inner.layers)}")
         inner.pipeline(group)
+        mx.eval(model.parameters())  # materialize this rank's share now (see below)
         return model
     if not callable(getattr(model, "shard", None)):
         raise ValueError(f"model type {getattr(model, 'model_type', type(model).__name__)!r} has no tensor "
@@ -50,6 +51,9 @@ def shard(model, group: Optional[mx.distributed.Group] = None, *, pipeline: bool
                          f"{heads} query and {kv} KV heads, which must both divide by {n}; launch a number of ranks "
                          f"that divides {kv}, or use --pipeline")
     model.shard(group)
+    # The shards are lazy slices of the full weights: evaluate them here, so that the arrays another thread
+    # (mlx_lm's generation thread) reads carry no graph tied to this thread's stream, and the full weights go.
+    mx.eval(model.parameters())
     return model
 
 

@@ -3,7 +3,8 @@
 Built from :mod:`mlx_lm.server`'s public pieces, nothing of it patched: `ServedModel` gives the model the
 ``make_cache()`` mlx_lm's ``make_prompt_cache`` looks for, `ServedModelProvider` serves the model we loaded,
 `VeloxAPIHandler` refuses bad requests with OpenAI's JSON error, and `use_packed_attention()` holds for the
-server's lifetime. Requests are batched only when the caches merge (`probe_batching`); ours do not yet.
+server's lifetime. Requests are batched only when the caches merge (`probe_batching`); ours do not yet. Under
+``mlx.launch`` every rank holds its shard (`veloxquant_mlx.distributed.shard`) and rank 0 serves HTTP.
 """
 from __future__ import annotations
 
@@ -19,16 +20,17 @@ import sys
 import threading
 from dataclasses import dataclass, field
 from http.server import ThreadingHTTPServer
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
+import mlx.core as mx
 from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 from mlx_lm.models.cache import LRUPromptCache
 from mlx_lm.server import (APIHandler, ModelProvider, ResponseGenerator, convert_chat, get_system_fingerprint,
                             process_message_content)
 
 from .attention import use_packed_attention
-from .cache.builder import make_prompt_cache
-from .eval.memory import measure_bytes_per_token, model_kv_shape
+from .distributed import rank_summary, shard
+from .eval.memory import measure_footprint
 from .eval.specs import method_names, resolve_spec
 from .models import ModelPackageMissing, load_model, max_context
 
@@ -85,6 +87,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         f"every request (see `veloxquant methods`; default {DEFAULT_METHOD}): {', '.join(names)}")
     parser.add_argument("--bits", type=_bounded(float, 1, 16), default=None, help="bits, with a family --method")
     parser.add_argument("--no-batching", action="store_true", help="answer requests one after another")
+    parser.add_argument("--pipeline", action="store_true", help="under mlx.launch: split the layers over the ranks "
+                        "(default: tensor parallel, heads split)")
     parser.add_argument("--max-body-bytes", type=_bounded(int, 1), default=8 << 20,
                         help="largest request body in bytes (default 8 MiB)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
@@ -95,25 +99,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
 def _mlx_namespace(args: argparse.Namespace) -> argparse.Namespace:
     """What mlx_lm's ModelProvider / ResponseGenerator / APIHandler read, in its CLI's names; what we do not
-    offer is off (adapters, draft models, its own KV quantization, pipelines, templates) or at its default."""
+    offer is off (adapters, draft models, its own KV quantization, templates) or at its default."""
     return argparse.Namespace(**vars(args), adapter_path=None, draft_model=None, num_draft_tokens=3,
-                              trust_remote_code=False, pipeline=False, kv_bits=None, kv_group_size=64,
+                              trust_remote_code=False, kv_bits=None, kv_group_size=64,
                               quantized_kv_start=DEFAULT_QUANTIZED_KV_START, chat_template="", chat_template_args={},
                               decode_concurrency=32, prompt_concurrency=8)
-
-
-def cache_factory(spec) -> Callable[[Any], list]:
-    """``make(model) -> per-layer caches`` of a registered spec: ours through the builder, mlx_lm's as registered."""
-    return (lambda model: make_prompt_cache(model, **spec.extra)) if spec.extra else spec.make_cache
-
-
-def measure_footprint(model, make_cache) -> Dict[str, float]:
-    """Bytes per token of ``make_cache``'s caches at ``model``'s attention shape, measured by the code of
-    ``veloxquant methods`` (`measure_bytes_per_token`), with the plain cache's alongside."""
-    n_layers, kv_heads, head_dim = model_kv_shape(model)
-    ours, plain = (measure_bytes_per_token(m, kv_heads, head_dim) for m in (make_cache, resolve_spec("kv").make_cache))
-    return dict(ours, layers=n_layers, bytes_per_token=ours["bytes_per_token_per_layer"] * n_layers,
-                plain_bytes_per_token=plain["bytes_per_token_per_layer"] * n_layers)
 
 
 def probe_batching(model, make_cache) -> Tuple[bool, str]:
@@ -422,7 +412,7 @@ class ServerHandle:
     port: int
     footprint: Dict[str, float]
     batching: Tuple[bool, str]  # (batched, why)
-    httpd: ThreadingHTTPServer
+    httpd: Optional[ThreadingHTTPServer]  # None on a rank > 0 of mlx.launch
     response_generator: ResponseGenerator
     stack: contextlib.ExitStack  # what close() undoes, last in first out
     thread: Optional[threading.Thread] = None
@@ -441,8 +431,12 @@ def start_server(args: argparse.Namespace, *, model=None, tokenizer=None, port: 
     spec = resolve_spec(args.method, args.bits)  # a bad --method fails before the model loads
     if model is None:
         model, tokenizer = load_model(args.model)
-    make_cache = cache_factory(spec)
+    group = mx.distributed.init()  # one rank unless launched with mlx.launch
+    shard(model, group, pipeline=args.pipeline)
+    make_cache = spec.make_cache
     fp = measure_footprint(model, make_cache)
+    if group.size() > 1:
+        logger.info(rank_summary(model, make_cache, group))
     batching = (False, "--no-batching") if args.no_batching else probe_batching(model, make_cache)
     logger.info(f"KV cache: {spec.name} ({spec.description or spec.name})")
     ratio = fp["plain_bytes_per_token"] / fp["bytes_per_token"]
@@ -459,6 +453,8 @@ def start_server(args: argparse.Namespace, *, model=None, tokenizer=None, port: 
         cache_bytes = {"max_bytes": args.prompt_cache_bytes} if args.prompt_cache_bytes else {}
         generator = ResponseGenerator(provider, LRUPromptCache(args.prompt_cache_size, **cache_bytes))
         stack.callback(generator.stop_and_join)
+        if group.rank() > 0:  # rank 0 serves HTTP and shares each request; this rank generates along with it
+            return ServerHandle("", 0, fp, batching, None, generator, stack.pop_all())
         handler = type("BoundVeloxAPIHandler", (VeloxAPIHandler,), {"limits": limits})
         # mlx_lm.server.run(host, port, provider, handler_class=...) is the public way, but 0.32 drops its
         # handler_class on the way to the HTTP server, blocks, and keeps the bound port and the shutdown to
@@ -490,7 +486,10 @@ def serve_main(args: argparse.Namespace) -> int:
         print(f"veloxquant serve: error: {e}", file=sys.stderr)
         return 2
     with contextlib.suppress(KeyboardInterrupt):
-        handle.httpd.serve_forever()
+        if handle.httpd is None:  # a rank > 0 under mlx.launch
+            handle.response_generator.join()
+        else:
+            handle.httpd.serve_forever()
     handle.close()
     logger.info("veloxquant serve: stopped")
     return 0

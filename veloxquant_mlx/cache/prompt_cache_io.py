@@ -26,7 +26,7 @@ import uuid
 from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_unflatten
 from mlx_lm.models import cache as mlx_cache
 
 VERSION_KEY = "__veloxquant_mlx_version__"

@@ -120,3 +120,16 @@ def plan_context(bytes_per_token_per_layer: float, n_layers: int, ram_bytes: flo
     if n_layers <= 0:
         raise ValueError(f"n_layers must be > 0, got {n_layers}")
     return int(ram_bytes // (bytes_per_token_per_layer * n_layers))
+
+
+def measure_footprint(model, make_cache) -> dict:
+    """Bytes per token of ``make_cache``'s caches at ``model``'s attention shape, measured by the code of
+    ``veloxquant methods`` (`measure_bytes_per_token`), with the plain cache's alongside."""
+    from veloxquant_mlx.distributed import local_kv_heads
+    from veloxquant_mlx.eval.specs import resolve_spec
+
+    n_layers, _, head_dim = model_kv_shape(model)
+    kv_heads = local_kv_heads(model)  # this rank's, when the model is sharded
+    ours, plain = (measure_bytes_per_token(m, kv_heads, head_dim) for m in (make_cache, resolve_spec("kv").make_cache))
+    return dict(ours, layers=n_layers, bytes_per_token=ours["bytes_per_token_per_layer"] * n_layers,
+                plain_bytes_per_token=plain["bytes_per_token_per_layer"] * n_layers)
