@@ -205,25 +205,15 @@ class BFloat16Codec(CODECS["float16"].keys):
 
 
 @pytest.mark.parametrize("codec", ["float16", "bfloat16"])
-def test_a_new_layout_runs_a_model_from_its_codes(codec, monkeypatch):
+def test_a_new_layout_runs_a_model_from_its_codes(codec, monkeypatch, attention_on_codes):
     from mlx_lm.models import llama
     from mlx_lm.models.cache import KVCache
 
-    from veloxquant_mlx.attention import hook, use_packed_attention
+    from veloxquant_mlx.attention import use_packed_attention
     from veloxquant_mlx.cache.builder import make_prompt_cache
-    from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache
     from veloxquant_mlx.codecs import CodecLayout
 
     monkeypatch.setitem(CODECS, "bfloat16", CodecLayout(BFloat16Codec, BFloat16Codec))  # the one registry line
-    calls = []
-    attend, fetch = TurboQuantPackedCache.attend_packed, TurboQuantPackedCache._fetch
-    monkeypatch.setattr(TurboQuantPackedCache, "attend_packed", lambda self, *a, **k: calls.append(1) or attend(self, *a, **k))
-
-    def no_decoding(self, dtype):
-        assert not hook.is_active(), "the history was decoded while attention on codes was on"
-        return fetch(self, dtype)
-
-    monkeypatch.setattr(TurboQuantPackedCache, "_fetch", no_decoding)
     args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=64,
                            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=61)
     mx.random.seed(0)
@@ -240,6 +230,6 @@ def test_a_new_layout_runs_a_model_from_its_codes(codec, monkeypatch):
     caches = make_prompt_cache(model, codec=codec, k_bits=16, v_bits=16)
     with use_packed_attention():
         got = logits(caches)
-    assert len(calls) == 2 * 4 and all(type(c.k_codec).__name__ == type(CODECS[codec].keys(16)).__name__ for c in caches)
+    assert attention_on_codes["attend_packed"] == 2 * 4 and all(type(c.k_codec).__name__ == type(CODECS[codec].keys(16)).__name__ for c in caches)
     tol = 2e-3 if codec == "float16" else 1.5e-2  # 16-bit rounding of K and V only
     assert float(mx.abs(got - ref).max()) <= tol * float(mx.abs(ref).max())

@@ -12,33 +12,13 @@ from mlx_lm.models import cache as mlx_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 import veloxquant_mlx as vq
+from fake_tokenizer import FakeTokenizer
 from veloxquant_mlx import integration
 from veloxquant_mlx.attention import hook
 from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache, TurboQuantRotatingPackedCache
 
 ORIGINAL = base.scaled_dot_product_attention
 PROMPT = [int(t) for t in np.random.default_rng(3).integers(1, 96, 80)]  # > one 64-token key block
-
-
-class Tok:
-    """Just enough of a tokenizer for mlx_lm's TokenizerWrapper: token i is the text '<i>'."""
-
-    eos_token_id, bos_token, chat_template, all_special_ids = None, None, None, []
-
-    def get_vocab(self):
-        return {f"<{i}>": i for i in range(128)}
-
-    def apply_chat_template(self, messages, **kwargs):
-        raise NotImplementedError
-
-    def encode(self, text, add_special_tokens=True):
-        return [int(t) if t.isdigit() else 0 for t in text.split()]
-
-    def decode(self, ids, **kwargs):
-        return "".join(f"<{i}>" for i in ids)
-
-    def convert_ids_to_tokens(self, ids):
-        return [f"<{i}>" for i in ids] if isinstance(ids, list) else f"<{ids}>"
 
 
 def tiny(name="llama", seed=0):
@@ -69,29 +49,9 @@ def nothing_left_enabled():
     assert "TurboQuantPackedCache" not in vars(mlx_cache)
 
 
-@pytest.fixture
-def counted(monkeypatch):
-    """Counts attend_packed calls; decoding the history while routing is on fails the test."""
-    calls = {"attend": 0}
-    attend, fetch = TurboQuantPackedCache.attend_packed, TurboQuantPackedCache._fetch
-
-    def counting(self, *a, **k):
-        calls["attend"] += 1
-        return attend(self, *a, **k)
-
-    def forbidden(self, dtype):
-        if hook.is_active() and self.fetch_placeholders:
-            raise AssertionError("the history was decoded although attention runs on the codes")
-        return fetch(self, dtype)
-
-    monkeypatch.setattr(TurboQuantPackedCache, "attend_packed", counting)
-    monkeypatch.setattr(TurboQuantPackedCache, "_fetch", forbidden)
-    return calls
-
-
-def test_generate_and_stream_generate_use_our_caches_from_codes(counted):
+def test_generate_and_stream_generate_use_our_caches_from_codes(attention_on_codes):
     model = tiny()
-    tok = TokenizerWrapper(Tok())
+    tok = TokenizerWrapper(FakeTokenizer())
     plain = [r.token for r in stream_generate(model, tok, PROMPT, max_tokens=6)]
     assert vq.enable(model) is model and vq.is_enabled(model)
     try:
@@ -99,27 +59,27 @@ def test_generate_and_stream_generate_use_our_caches_from_codes(counted):
         assert all(type(c) is TurboQuantPackedCache for c in caches)
         assert integration.enabled_options(model).codec == "affine_block"  # the default configuration
         ours = [r.token for r in stream_generate(model, tok, PROMPT, max_tokens=6)]
-        n_stream = counted["attend"]
+        n_stream = attention_on_codes["attend_packed"]
         text = generate(model, tok, PROMPT, max_tokens=6)
     finally:
         vq.disable(model)
     # 2 layers x (prefill chunk + 6 decode steps, generate_step runs one ahead) from the codes, and 8-bit keys give
     # the plain cache's greedy tokens on this model.
-    assert n_stream >= 2 * 6 and counted["attend"] >= 2 * n_stream - 2
-    assert ours == plain and text == Tok().decode(plain)
+    assert n_stream >= 2 * 6 and attention_on_codes["attend_packed"] >= 2 * n_stream - 2
+    assert ours == plain and text == FakeTokenizer().decode(plain)
 
 
-def test_logits_with_and_without_routing_agree(counted):
+def test_logits_with_and_without_routing_agree(attention_on_codes):
     model = tiny()
     explicit = vq.make_prompt_cache(model, integration._default_options())
     decoded = teacher_forced_logits(model, explicit)  # hook off: the caches decode their history
-    assert counted["attend"] == 0
+    assert attention_on_codes["attend_packed"] == 0
     vq.enable(model)
     try:
         routed = teacher_forced_logits(model, mlx_cache.make_prompt_cache(model))
     finally:
         vq.disable(model)
-    assert counted["attend"] == 2 * 7
+    assert attention_on_codes["attend_packed"] == 2 * 7
     err = float(mx.abs(routed - decoded).max() / mx.abs(decoded).max())
     assert err < 1e-4, err
 
@@ -166,7 +126,7 @@ def test_batch_generate_refuses_clearly_until_batching_lands():
     vq.enable(model)
     try:
         with pytest.raises(ValueError, match="cannot be batched yet"):
-            batch_generate(model, TokenizerWrapper(Tok()), [PROMPT[:20], PROMPT[:30]], max_tokens=2)
+            batch_generate(model, TokenizerWrapper(FakeTokenizer()), [PROMPT[:20], PROMPT[:30]], max_tokens=2)
     finally:
         vq.disable(model)
 

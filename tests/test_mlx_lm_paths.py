@@ -32,6 +32,7 @@ from mlx_lm.models import gemma3_text, llama, phi3, qwen3
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 import veloxquant_mlx as vq
+from fake_tokenizer import FakeTokenizer
 from veloxquant_mlx.cache.prompt_cache_io import mlx_lm_cache_classes
 
 WEIGHT_SCALE = 4.0
@@ -83,30 +84,6 @@ def greedy(model, cache, prompt, n=N_TOKENS):
 
 def batch_prompt(batch):
     return mx.array([PROMPT] * batch) if batch == 1 else mx.array([PROMPT, PROMPT[::-1]])
-
-
-class FakeTokenizer:
-    """Just enough of a tokenizer for mlx_lm's TokenizerWrapper: token i is the text '<i>'."""
-
-    eos_token_id = None
-    bos_token = None
-    chat_template = None
-    all_special_ids = []
-
-    def get_vocab(self):
-        return {f"<{i}>": i for i in range(128)}
-
-    def apply_chat_template(self, messages, **kwargs):
-        raise NotImplementedError
-
-    def encode(self, text, add_special_tokens=True):
-        return [int(t) if t.isdigit() else 0 for t in text.split()]
-
-    def decode(self, ids, **kwargs):
-        return "".join(f"<{i}>" for i in ids)
-
-    def convert_ids_to_tokens(self, ids):
-        return [f"<{i}>" for i in ids] if isinstance(ids, list) else f"<{ids}>"
 
 
 # -- generation: 8-bit keys and values give the plain cache's greedy tokens ------------------------
