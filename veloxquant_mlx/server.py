@@ -15,6 +15,7 @@ import io
 import json
 import logging
 import math
+import signal
 import socket
 import sys
 import threading
@@ -42,10 +43,9 @@ def range_error(value: Any, kind: type, low=None, high=None) -> Optional[str]:
     """Why ``value`` is not a finite ``kind`` (int or float; a bool is neither) in [low, high], or None."""
     if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
         return f"must be {'a number' if kind is float else 'an integer'}"
-    if (isinstance(value, float) and not math.isfinite(value)) or (low is not None and value < low) or (
-            high is not None and value > high):
-        return f"must be a finite value in [{low}, {'inf' if high is None else high}]"
-    return None
+    inside = (not isinstance(value, float) or math.isfinite(value)) and (low is None or value >= low) and (
+        high is None or value <= high)
+    return None if inside else f"must be a finite value in [{low}, {'inf' if high is None else high}]"
 
 
 def _bounded(kind: type, low=None, high=None) -> Callable[[str], Any]:
@@ -485,6 +485,8 @@ def serve_main(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, OSError, ModelPackageMissing) as e:
         print(f"veloxquant serve: error: {e}", file=sys.stderr)
         return 2
+    for sig in (signal.SIGINT, signal.SIGTERM):  # stop cleanly on both, even if SIGINT came in ignored
+        signal.signal(sig, signal.default_int_handler)
     with contextlib.suppress(KeyboardInterrupt):
         if handle.httpd is None:  # a rank > 0 under mlx.launch
             handle.response_generator.join()
