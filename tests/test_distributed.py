@@ -95,6 +95,7 @@ def test_smollm2_on_three_ranks_generates_what_one_process_does():
 def test_distributed_serve_answers_a_chat_completion(tmp_path):
     """``veloxquant serve`` on 3 ranks: rank 0 serves HTTP on loopback, every rank holds a third of the heads."""
     import socket
+    import threading
     import time
     import urllib.request
 
@@ -108,18 +109,19 @@ def test_distributed_serve_answers_a_chat_completion(tmp_path):
            str(port), "--method", "tq-affine-k8v8", "--max-tokens", "8"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
-    lines = []
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "listening on" in line:
-                break
+    lines = []  # every rank's output, read by a thread: the ranks print in any order
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+
+    def wait_for(*needles, seconds):
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not all(n in "".join(lines) for n in needles):
+            time.sleep(0.2)
         log = "".join(lines)
-        assert "listening on" in log, log[-3000:]
+        assert all(n in log for n in needles), log[-3000:]
+
+    try:
+        wait_for("listening on", seconds=300)
         body = json.dumps({"messages": [{"role": "user", "content": "What is the capital of France?"}],
                            "max_tokens": 8, "temperature": 0}).encode()
         request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
@@ -127,8 +129,8 @@ def test_distributed_serve_answers_a_chat_completion(tmp_path):
         with urllib.request.urlopen(request, timeout=240) as response:
             answer = json.loads(response.read())["choices"][0]["message"]["content"]
         assert "Paris" in answer
-        for r in range(3):
-            assert f"rank {r}/3: tensor parallel, 1 of 3 KV heads, 30 layers" in log
+        wait_for(*(f"rank {r}/3: tensor parallel, 1 of 3 KV heads, 30 layers" for r in range(3)), seconds=60)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate(timeout=30)
+        proc.wait(timeout=30)
+        reader.join(timeout=30)
