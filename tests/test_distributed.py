@@ -69,9 +69,10 @@ def test_sharded_tiny_models_match_one_process(case, n, tmp_path):
 
 def test_heads_that_do_not_divide_by_the_ranks_give_one_clear_error(tmp_path):
     code, out = launch(3, WORKER, "tensor", str(tmp_path))  # tiny llama: 8 query / 4 KV heads over 3 ranks
-    # (mlx.launch itself may exit 0 when its ranks fail: what counts is what the ranks did and said)
-    for r in range(3):
-        assert f"rank {r}: tensor parallelism over 3 ranks splits attention heads" in out
+    # (mlx.launch itself may exit 0 when its ranks fail, and stops the others once one has failed, so the slower
+    # ranks may not get to print: what counts is what the ranks that ran did and said)
+    said = [r for r in range(3) if f"rank {r}: tensor parallelism over 3 ranks splits attention heads" in out]
+    assert said, out[-3000:]
     assert "must both divide by 3" in out and "Traceback" not in out and not list(tmp_path.iterdir())
 
 

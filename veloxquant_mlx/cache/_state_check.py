@@ -91,17 +91,15 @@ def restore_arrays(cache, state: Dict[str, Any], meta: Dict[str, Any]) -> None:
             codec.load_fitted(fitted)
         except ValueError as e:
             raise _fail(cls, f"{prefix}*: {e}") from None
-    loaded = {}
-    for prefix, store in cache._store_prefixes().items():
-        arrays = {n[len(prefix):]: a for n, a in state.items() if n.startswith(prefix)}
-        claimed |= {prefix + n for n in arrays}
-        loaded[prefix] = arrays
+    stores = cache._store_prefixes()
+    loaded = {prefix: {n[len(prefix):]: a for n, a in state.items() if n.startswith(prefix)} for prefix in stores}
+    claimed |= {prefix + n for prefix, arrays in loaded.items() for n in arrays}
     unexpected = sorted(names - claimed)
     if unexpected:
         raise _fail(cls, f"unexpected arrays {unexpected}")
     counts = {}
     for prefix, arrays in loaded.items():
-        store = cache._store_prefixes()[prefix]
+        store = stores[prefix]
         if prefix in ("s_", "t_"):
             if arrays:
                 _check_exact(cls, {"s_": "sink", "t_": "tail"}[prefix], arrays, cache.dims)

@@ -16,18 +16,13 @@ import mlx.core as mx
 class ColumnStore:
     """Exact-size arrays of ``codec``'s layout; appends, trims and deletes whole ``token_block`` units."""
 
-    def __init__(self, codec, step: int = 0):
+    def __init__(self, codec):
         self.codec = codec
-        self.step = step  # unused (exact size); kept so every store answers the same attributes
         self.buffers: Dict[str, mx.array] = {}
 
     @property
     def length(self) -> int:
         return self.codec.n_tokens(self.buffers) if self.buffers else 0
-
-    @property
-    def capacity(self) -> int:
-        return self.length
 
     def append(self, chunk: Dict[str, mx.array]) -> None:
         # One concatenation per coded block keeps the arrays contiguous (what the scoring matmul wants) at an
@@ -63,7 +58,7 @@ class ColumnStore:
     live_nbytes = nbytes
 
     def copy(self) -> "ColumnStore":
-        new = ColumnStore(self.codec, self.step)
+        new = ColumnStore(self.codec)
         new.buffers = dict(self.buffers)  # never written in place: sharing the arrays is safe
         return new
 
