@@ -144,5 +144,17 @@ class Rotation:
 
 
 def make_rotation(d: int, seed: int = 0, kind: str = "haar") -> Rotation:
-    """The seeded rotation of ``kind`` ("haar" or "hadamard") for dimension d."""
+    """The seeded rotation of ``kind`` ("haar" or "hadamard") for dimension d.
+
+    One object per (d, seed, kind) in the process: every layer of a cache uses the same seeds, and a
+    rotation is immutable, so 30 layers hold one matrix instead of 30 (they are not stored bytes).
+    """
+    _check_d_seed(d, seed)
+    if kind not in ROTATION_KINDS:
+        raise ValueError(f"rotation kind must be one of {ROTATION_KINDS}, got {kind!r}")
+    return _shared_rotation(int(d), int(seed), kind)
+
+
+@lru_cache(maxsize=64)
+def _shared_rotation(d: int, seed: int, kind: str) -> Rotation:
     return Rotation(d, seed, kind)

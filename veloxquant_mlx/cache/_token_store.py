@@ -57,7 +57,12 @@ class TokenStore:
                     grown[name] = mx.zeros(shape, arr.dtype)
             self.buffers = grown
         for name, arr in chunk.items():
-            self.buffers[name][:, :, prev:end] = arr
+            if prev == 0 and end == self.buffers[name].shape[TOKEN_AXIS]:
+                # A slice assignment covering the whole buffer would alias ``arr``, and with it keep alive the
+                # whole array ``arr`` may be a view of (e.g. a 4-token sink of a 4096-token prompt): copy.
+                self.buffers[name] = mx.contiguous(arr.astype(self.buffers[name].dtype))
+            else:
+                self.buffers[name][:, :, prev:end] = arr
         self.length = end
 
     def trim(self, n: int) -> int:
@@ -70,6 +75,11 @@ class TokenStore:
         """Remove live tokens ``[start, stop)``; later tokens move down (one copy of the live part)."""
         start, stop = max(0, start), min(stop, self.length)
         if stop <= start:
+            return
+        if start == 0 and stop == self.length:
+            # Everything goes: free the buffers now. Empty slices of them would stay unevaluated (attention reads
+            # no empty part) and keep every old buffer alive until the next append.
+            self.buffers, self.length = {}, 0
             return
         self.buffers = {
             name: mx.concatenate(

@@ -1,0 +1,78 @@
+"""A cache holds the memory its ``nbytes`` says, nothing hidden.
+
+MLX frees a buffer when no array refers to it, and a slice is a view: a cache that keeps a view of the caller's
+arrays (a 4-token sink cut from a 4096-token prompt) or an unevaluated expression over its own old buffers keeps
+far more alive than it reports. `mx.get_active_memory()` sees it; these tests compare the two.
+"""
+from __future__ import annotations
+
+import gc
+
+import mlx.core as mx
+import pytest
+
+import veloxquant_mlx as vq
+from veloxquant_mlx.eval.memory import _stub_model, cache_nbytes
+from veloxquant_mlx.rotation import make_rotation
+
+H, D = 3, 64
+# Arrays outside the caches (placeholders, small constants) may come and go by a few KiB.
+SLACK = 16 * 1024
+
+
+def _active():
+    gc.collect()
+    return mx.get_active_memory()
+
+
+def _held_by(build):
+    """(active bytes the caches keep once their inputs are gone, their reported nbytes)."""
+    base = _active()
+    caches = build()
+    held = _active() - base
+    return held, sum(cache_nbytes(c) for c in caches), caches
+
+
+def _fill(caches, prompt: int, steps: int, seed: int = 0):
+    # One long prompt (sinks are cut from it), then single-token steps across several block boundaries.
+    kv = mx.random.normal((1, H, prompt + steps, D), key=mx.random.key(seed))
+    mx.eval(kv)
+    for c in caches:
+        c.update_and_fetch(kv[:, :, :prompt], kv[:, :, :prompt])
+        for t in range(prompt, prompt + steps):
+            k = kv[:, :, t : t + 1]
+            c.update_and_fetch(k, k)
+        mx.eval([a for a in _arrays(c)])
+    return caches
+
+
+def _arrays(cache):
+    return [a for s in cache._stores() for a in s.buffers.values()]
+
+
+@pytest.mark.parametrize("config", ["tq-affine-k4v4", "tq-affine-k8v4", "tq-mse-k4v4"])
+@pytest.mark.parametrize("steps", [0, 64, 70])
+def test_cache_keeps_no_hidden_memory(config, steps):
+    """After a 4096-token prompt and steps that code whole blocks (the tail empties at 64), the memory still in
+    use is the cache's nbytes: no view of the prompt, no old buffer kept by a lazy expression."""
+    from veloxquant_mlx.eval.specs import resolve_spec
+
+    spec = resolve_spec(config, None, D)
+    _fill(spec.make_cache(_stub_model(1, H, D)), 200, 0)  # process-wide constants (the shared rotations) exist now
+    held, reported, caches = _held_by(lambda: _fill(spec.make_cache(_stub_model(2, H, D)), 4096 - 60, steps))
+    assert reported > 0
+    assert held <= reported + SLACK, f"{config}: {held} bytes in use for {reported} reported"
+    del caches
+
+
+def test_layers_share_one_rotation():
+    """Every layer of a cache uses the same seeds: one rotation matrix in memory, not one per layer."""
+    caches = _fill(vq.make_prompt_cache(_stub_model(4, H, D), codec="affine", k_bits=4, v_bits=4), 8, 0)
+    mats = {id(c.k_codec.rotation) for c in caches} | {id(c.v_codec.rotation) for c in caches}
+    assert len(mats) == 2  # keys and values have independent rotations, shared by the layers
+    assert make_rotation(D, 5) is make_rotation(D, 5)
+    assert make_rotation(D, 5) is not make_rotation(D, 6)
+    with pytest.raises(ValueError, match="seed"):
+        make_rotation(D, -1)
+    with pytest.raises(ValueError, match="rotation kind"):
+        make_rotation(D, 0, "qr")
