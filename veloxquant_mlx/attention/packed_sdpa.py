@@ -8,11 +8,12 @@ mask's key axis):
   (:class:`veloxquant_mlx.codecs.Codec`), which score queries against their codes (``scores``) and sum weighted
   values from them (``weighted_sum``) themselves.
 
-All parts are scored into one ``(B, Hkv, R*L, N)`` tensor (in log2 units: the query carries ``scale / ln 2``)
-and share one softmax, whose exponential is `exp2_nonpositive` (plain elementwise ops, several times cheaper
-than ``mx.exp`` on CPU); each part then aggregates its own slice of the weights. A per-head vector every decoded
-value carries (a codec's ``decoded_offset``, e.g. a centring mean) is added once with the total weight when all
-coded parts share it. Optional per-head attention-sink logits join the denominator. Softmax math is float32.
+Every part is scored (in log2 units: the query carries ``scale / ln 2``) and the parts share one softmax: one
+max over all of them, then each part exponentiates its own scores with `exp2_nonpositive` (plain elementwise
+ops, several times cheaper than ``mx.exp`` on CPU) and aggregates its own values, so no score or weight tensor
+of the whole history is ever concatenated or sliced. A per-head vector every decoded value carries (a codec's
+``decoded_offset``, e.g. a centring mean) is added once with the total weight when all coded parts share it.
+Optional per-head attention-sink logits join the denominator. Softmax math is float32.
 
 Long query chunks (prefill) whose rows exceed the codecs' packed crossover are attended ``QUERY_BLOCK``
 positions at a time over the history decoded once (`_blocked_attention`): bounded score memory.
@@ -156,8 +157,9 @@ def _shared_offset(parts: Sequence[Part]) -> Optional[mx.array]:
     return next(iter(codecs.values())).decoded_offset() if len(codecs) == 1 else None
 
 
-def _weighted_values(e: mx.array, l: mx.array, parts: Sequence[Part], packed_rows: Optional[int]) -> mx.array:
-    """``sum_j e_j v_j`` over every part -> ``(B, Hkv, M, dv)`` (unnormalized; ``l`` = the weights' row sums).
+def _weighted_values(es: Sequence[mx.array], l: mx.array, parts: Sequence[Part], packed_rows: Optional[int]) -> mx.array:
+    """``sum_j e_j v_j`` over every part -> ``(B, Hkv, M, dv)`` (unnormalized; ``es[i]`` are part i's weights,
+    ``l`` their total row sums).
 
     With one shared value offset ``mu`` (centred values), it is added once with the total weight and taken off
     the exact parts' values instead (``sum_coded e mu = l mu - sum_exact e mu``): no per-part row sums.
@@ -166,10 +168,7 @@ def _weighted_values(e: mx.array, l: mx.array, parts: Sequence[Part], packed_row
     if mu is not None:
         mu = mu[None, :, None, :]  # (1, Hkv, 1, dv)
     o = None if mu is None else l * mu
-    start = 0
-    for p in parts:
-        e_p = e if len(parts) == 1 else e[..., start: start + p.length]
-        start += p.length
+    for e_p, p in zip(es, parts):
         if isinstance(p, ExactPart):
             o_p = e_p @ (f32(p.values) if mu is None else f32(p.values) - mu)
         else:
@@ -279,11 +278,15 @@ def _softmax_values(scores: List[mx.array], parts: Sequence[Part], sinks, masked
                     packed_rows: Optional[int]) -> mx.array:
     """One softmax over every part's log2 scores, then the normalized weighted values ``(B, Hkv, R*L, dv)``.
 
-    A single max, exponential and sum instead of one per part plus an exact log-sum-exp merge: fewer, larger
-    ops, and the parts share the max, so no rescaling is needed.
+    The parts share one max (no rescaling, no log-sum-exp merge); each exponentiates and aggregates its own
+    scores. Concatenating the scores would cost a copy of them, and slicing the weights back per part another
+    (a quantized matmul reads contiguous weights): at 10k tokens those copies were most of a decode step's
+    attention memory.
     """
-    s = scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=-1)
-    m = mx.max(s, axis=-1, keepdims=True)
+    m = None
+    for s in scores:
+        m_s = mx.max(s, axis=-1, keepdims=True)
+        m = m_s if m is None else mx.maximum(m, m_s)
     sink_logits = None
     if sinks is not None:  # gpt-oss style sinks: join the denominator, carry no value
         sink_logits = mx.broadcast_to((sinks.astype(mx.float32) * LOG2E).reshape(1, Hkv, R, 1),
@@ -291,9 +294,12 @@ def _softmax_values(scores: List[mx.array], parts: Sequence[Part], sinks, masked
         m = mx.maximum(m, sink_logits)
     if masked:
         m = mx.maximum(m, NEG)  # finite even when a row is fully masked
-    e = exp2_nonpositive(s - m, fused=L == 1)  # fused kernel at decode only (see exp2_nonpositive)
-    l = mx.sum(e, axis=-1, keepdims=True)
-    o = _weighted_values(e, l, parts, packed_rows)
+    es = [exp2_nonpositive(s - m, fused=L == 1) for s in scores]  # fused kernel at decode only (see exp2_nonpositive)
+    l = None
+    for e in es:
+        l_e = mx.sum(e, axis=-1, keepdims=True)
+        l = l_e if l is None else l + l_e
+    o = _weighted_values(es, l, parts, packed_rows)
     if sink_logits is not None:
         l = l + exp2_nonpositive(sink_logits - m)
     return o / l
