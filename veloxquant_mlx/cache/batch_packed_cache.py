@@ -39,6 +39,7 @@ from veloxquant_mlx.cache._token_store import TokenStore
 from veloxquant_mlx.codecs import codec_layout
 
 _CODE_STEP = 256  # code slots added at a time for per-token codecs (block codecs grow one block at a time)
+_TAIL_STEP = 16  # exact tail slots added at a time (the tail holds under trim_headroom + one block per row)
 
 
 def _round_up(n: int, step: int) -> int:
@@ -157,7 +158,7 @@ class TurboQuantBatchPackedCache(_BaseCache):
         self.heads = 0
         self.sink: Optional[Dict[str, mx.array]] = None  # {"k", "v"}: (B, H, S, d)
         self.k_codes = self.v_codes = None  # RowCodes
-        self.tail = TokenStore(64)
+        self.tail = TokenStore(_TAIL_STEP)
         self._base = None  # (key codec, value codec), unfitted, per sequence
         self.k_codec = self.v_codec = None  # the folded codecs: fitted arrays (B*H, ...)
         self._pending: Optional[List[int]] = None  # real tokens still to come per row (prepare(lengths=...))
@@ -265,7 +266,6 @@ class TurboQuantBatchPackedCache(_BaseCache):
             names = fits[n][0].keys()
             codec.load_fitted({name: mx.concatenate([r[name] for r in fits[n]], axis=0) for name in names})
         self.tail.load(tail)
-        self.tail.step = 64
 
     def _row_arrays(self, folded, i: int) -> Dict[str, mx.array]:
         H = self.heads
@@ -461,10 +461,15 @@ class TurboQuantBatchPackedCache(_BaseCache):
             parts.append(ExactPart(t["k"], t["v"]))
         return parts
 
-    def attention_mask(self):
-        """Bool ``(B, 1, T, N)`` over `attention_parts` for the last update's T queries (a row's pad slots and
-        its later chunk tokens hidden), or None / "causal" when no row has a pad slot."""
+    def attention_mask(self, L: int):
+        """Bool ``(B, 1, L, N)`` over `attention_parts` for ``L`` queries: the last update's T tokens (a row's pad
+        slots and its later chunk tokens hidden), or one query that sees every stored token of its row; None /
+        "causal" when no row has a pad slot."""
         T, full, geometry = self._geometry
+        if L == 1:
+            T, full = 1, True
+        elif L != T:
+            raise ValueError(f"queries must be the last update's {T} tokens or a single one, got L={L}")
         sizes = self._part_sizes()
         padded = not full or any(
             n and (any(lo) or any(h != n for h in hi)) for n, (lo, hi, _, _) in zip(sizes, geometry))
@@ -491,7 +496,7 @@ class TurboQuantBatchPackedCache(_BaseCache):
         B, Hq, L, d = queries.shape
         if B != self.B:
             raise ValueError(f"queries have batch size {B}, but this cache holds {self.B} sequences")
-        rows = self.attention_mask()
+        rows = self.attention_mask(L)
         if isinstance(rows, mx.array):  # per sequence -> per folded query head
             N = rows.shape[-1]
             rows = mx.broadcast_to(rows, (B, Hq, L, N)).reshape(1, B * Hq, L, N)
