@@ -105,6 +105,12 @@ def _run_cache_level(options, lengths, decode_steps, pad_value=0.0):
         batch.update_and_fetch(mx.concatenate([pad(k, n) for (k, _), n in zip(streams, lengths)]),
                                mx.concatenate([pad(v, n) for (_, v), n in zip(streams, lengths)]))
         batch.finalize()
+        # the prompt's own queries (causal within it; pad positions of shorter rows are not compared)
+        qp = mx.array(np.random.default_rng(99).standard_normal((len(lengths), 2 * H, T, D)), mx.float32)
+        got = batch.attend_packed(qp, D ** -0.5, "causal")
+        for i, (c, n) in enumerate(zip(alone, lengths)):
+            want = c.attend_packed(qp[i:i + 1, :, :n], D ** -0.5, "causal" if n > 1 else None)
+            diffs.append(mx.abs(got[i:i + 1, :, :n] - want).max().item())
         for step in range(decode_steps + 1):
             if step:
                 ks = [k[:, :, n + step - 1: n + step] for (k, _), n in zip(streams, lengths)]
@@ -204,7 +210,7 @@ def test_refusals_are_clear():
         batch.extract(5)
     with pytest.raises(ValueError, match="window_size"):
         batch.make_mask(1, window_size=4)
-    with pytest.raises(RuntimeError, match="use_packed_attention"):  # attention on codes only
+    with pytest.raises(ValueError, match="enable"):  # attention on codes only
         batch.update_and_fetch(mx.zeros((2, H, 1, D)), mx.zeros((2, H, 1, D)))
     with hook.use_packed_attention(), pytest.raises(ValueError, match="batch size"):
         batch.update_and_fetch(mx.zeros((3, H, 1, D)), mx.zeros((3, H, 1, D)))

@@ -311,8 +311,9 @@ class TurboQuantBatchPackedCache(_BaseCache):
         from veloxquant_mlx.cache.packed_cache import _check_pair
 
         if not _hook.is_active():
-            raise RuntimeError(f"{type(self).__name__} attends only from its codes: call it inside "
-                               "veloxquant_mlx.use_packed_attention() or on a model after veloxquant_mlx.enable(model)")
+            raise ValueError(f"{type(self).__name__} attends only from its codes: batch (batch_generate, "
+                             "BatchGenerator, mlx_lm.server) on a model after veloxquant_mlx.enable(model), or inside "
+                             "veloxquant_mlx.use_packed_attention()")
         _check_pair(keys, values, *(self.dims or (self.options.head_dim, None)))
         if keys.shape[0] != self.B:
             raise ValueError(f"keys have batch size {keys.shape[0]}, but this cache holds {self.B} sequences")
