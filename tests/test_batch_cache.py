@@ -178,7 +178,9 @@ def _arrays_reachable(obj, seen=None) -> int:
         return sum(_arrays_reachable(v, seen) for v in obj)
     if hasattr(obj, "__dict__") and not isinstance(obj, type) and id(obj) not in seen:
         seen.add(id(obj))
-        skip = ("rotation", "quantizers", "_base")  # shared, stateless rotations (the same for every row)
+        # shared, stateless rotations (the same for every row); the (B,) offset array is bookkeeping, as in
+        # mlx_lm's BatchKVCache, whose nbytes counts keys and values only
+        skip = ("rotation", "quantizers", "_base", "offset")
         return sum(_arrays_reachable(v, seen) for k, v in vars(obj).items() if k not in skip)
     return 0
 
@@ -341,3 +343,27 @@ def test_batch_generate_after_enable(model, batched_attention):
     finally:
         vq.disable(model)
     assert batched_attention["attend_packed"] > 0
+
+
+def test_left_padded_prompt_equals_each_sequence_alone():
+    """``prepare(left_padding=...)`` (mlx_lm's BatchKVCache protocol for an empty batch): pad tokens first."""
+    options, lengths = CONFIGS["affine_block-k8v4"], (7, 70, 36)
+    T = max(lengths)
+    streams = [_stream(n, seed=i) for i, n in enumerate(lengths)]
+    alone = [TurboQuantPackedCache(options) for _ in lengths]
+    batch = TurboQuantPackedCache.merge([TurboQuantPackedCache(options) for _ in lengths])
+    batch.prepare(left_padding=[T - n for n in lengths])
+    assert batch.offset.tolist() == [n - T for n in lengths]  # RoPE puts each row's first real token at 0
+    pad = lambda x: mx.concatenate([mx.full((1, H, T - x.shape[2], D), float("nan")), x], axis=2)  # noqa: E731
+    with hook.use_packed_attention():
+        for c, (k, v) in zip(alone, streams):
+            c.update_and_fetch(k, v)
+        batch.update_and_fetch(mx.concatenate([pad(k) for k, _ in streams]), mx.concatenate([pad(v) for _, v in streams]))
+        batch.finalize()
+        q = mx.array(np.random.default_rng(0).standard_normal((3, 2 * H, T, D)), mx.float32)
+        got = batch.attend_packed(q, D ** -0.5, "causal")
+        for i, (c, n) in enumerate(zip(alone, lengths)):
+            assert mx.array_equal(got[i:i + 1, :, T - n:], c.attend_packed(q[i:i + 1, :, T - n:], D ** -0.5, "causal")).item()
+            assert not mx.any(got[i, :, :T - n]).item()  # pad queries: zeros, not NaN
+            _states_equal(batch.extract(i), c)
+    assert batch.offset.tolist() == list(lengths)

@@ -14,15 +14,17 @@ Each sequence (row ``i``) keeps exactly the structure it has alone, ``[sink | co
 - tail ``(B, H, L, d)``: row i's ``tail_n[i]`` newest exact tokens, right-aligned (new tokens arrive at the end for
   every row); a row codes its oldest whole blocks when they leave the tail, as alone.
 
-The free slots after a row's codes and before its sink / tail end are padding: never attended (a mask built from
-the row counts), and never written with anything but finite values (pad tokens of a right-padded prompt are
-zeroed). Fitted per-head codec parameters (a centring mean, outlier channels) are fitted per sequence, at the
-same moment and on the same tokens as alone, and the codecs see the batch folded into their head axis
-(``(1, B*H, ...)``): per-head parameters then are per-sequence ones, for any codec of the contract.
+The free slots after a row's codes and before its sink / tail end are padding: never attended, and never written
+with anything but finite values (pad tokens of a right-padded prompt are zeroed). Fitted per-head codec
+parameters (a centring mean, outlier channels) are fitted per sequence, at the same moment and on the same tokens
+as alone, and the codecs see the batch folded into their head axis (``(1, B*H, ...)``): per-head parameters then
+are per-sequence ones, for any codec of the contract.
 
-Attention runs on codes only (`attend_packed`; the mask mlx_lm passes is replaced by the per-row one), so the
-cache needs the packed-attention hook; ``recent > 0`` (exact windows read through a round trip) and sliding
-windows are not batched (clear errors).
+Attention runs on codes only (`attend_packed`), so the cache needs the packed-attention hook. A decode step is one
+call over the folded batch with a mask of each row's valid slots (built once per step, shared by the layers); a
+prompt chunk is attended one sequence at a time, its real queries against its own slots, causal: exactly what the
+sequence alone computes. The mask mlx_lm passes is not needed. ``recent > 0`` (exact windows read through a round
+trip) and sliding windows are not batched (clear errors).
 """
 from __future__ import annotations
 
@@ -53,6 +55,23 @@ def _fold(a: mx.array) -> mx.array:
 
 def _column(values: Sequence[int]) -> mx.array:
     return mx.array(list(values), dtype=mx.int32).reshape(-1, 1, 1, 1)
+
+
+_last_mask = (None, None)  # (key, folded mask): every layer of one decode step has the same rows
+
+
+def _folded_decode_mask(cache, Hq: int):
+    """`decode_mask` per folded query head ``(1, B*Hq, 1, N)`` (or None), built once per decode step: the layers
+    after the first find it here (one entry, replaced atomically)."""
+    global _last_mask
+    key = (Hq, cache.B, tuple(cache.sink_n), tuple(cache.coded), tuple(cache.tail_n), cache._part_sizes())
+    last_key, mask = _last_mask
+    if last_key != key:
+        mask = cache.decode_mask()
+        if mask is not None:
+            mask = mx.broadcast_to(mask, (cache.B, Hq, 1, mask.shape[-1])).reshape(1, cache.B * Hq, 1, -1)
+        _last_mask = (key, mask)
+    return mask
 
 
 class RowCodes:
@@ -115,12 +134,13 @@ class RowCodes:
         arrays = {f: _fold(a) for f, a in self.arrays.items()}
         return arrays if n == self.capacity else self.codec.slice_tokens(arrays, 0, n)
 
+    def row_view(self, i: int, n: int) -> Dict[str, mx.array]:
+        """Row ``i``'s first ``n`` tokens ``(1, H, ...)`` (views)."""
+        return self.codec.slice_tokens({f: a[i:i + 1] for f, a in self.arrays.items()}, 0, n)
+
     def row(self, i: int, n: int) -> Dict[str, mx.array]:
         """Row ``i``'s first ``n`` tokens, as a per-sequence cache stores them (own memory, not a view)."""
-        if n == 0:
-            return {}
-        one = self.codec.slice_tokens({f: a[i:i + 1] for f, a in self.arrays.items()}, 0, n)
-        return {f: mx.contiguous(a) for f, a in one.items()}
+        return {f: mx.contiguous(a) for f, a in self.row_view(i, n).items()} if n else {}
 
     def take(self, rows: mx.array, keep: int) -> None:
         """Keep rows ``rows`` (in that order) and the slots that hold their tokens (``keep``, rounded up)."""
@@ -151,7 +171,7 @@ class TurboQuantBatchPackedCache(_BaseCache):
                              "(this model's attention bypasses mlx_lm's scaled_dot_product_attention)")
         self.options, self.fetch_placeholders = options, True
         self.B = batch_size
-        self.lengths = [0] * batch_size  # tokens per sequence (real ones)
+        self._set_lengths([0] * batch_size)  # tokens per sequence (real ones); offset: the same as an array
         self.sink_n, self.coded, self.tail_n = [0] * batch_size, [0] * batch_size, [0] * batch_size
         self.fitted = [False] * batch_size
         self.dims: Optional[tuple] = None
@@ -163,7 +183,7 @@ class TurboQuantBatchPackedCache(_BaseCache):
         self.k_codec = self.v_codec = None  # the folded codecs: fitted arrays (B*H, ...)
         self._pending: Optional[List[int]] = None  # real tokens still to come per row (prepare(lengths=...))
         self._lead: Optional[List[int]] = None  # pad tokens before each row's first one (prepare(left_padding=))
-        self._geometry = None  # per part of the last update: (lo, hi, new_from, chunk0) per row, and T
+        self._chunk = None  # (T, first real position, real tokens per row) of the last update
         self._dependency = None
 
     # pipeline-parallel models set ``cache[-1].keys`` to a dependency (see TurboQuantPackedCache.keys)
@@ -174,10 +194,6 @@ class TurboQuantBatchPackedCache(_BaseCache):
     @keys.setter
     def keys(self, value):
         self._dependency = value
-
-    @property
-    def offset(self) -> mx.array:
-        return mx.array(self.lengths, dtype=mx.int32)
 
     @property
     def left_padding(self) -> mx.array:
@@ -266,6 +282,7 @@ class TurboQuantBatchPackedCache(_BaseCache):
             names = fits[n][0].keys()
             codec.load_fitted({name: mx.concatenate([r[name] for r in fits[n]], axis=0) for name in names})
         self.tail.load(tail)
+        self._set_lengths(self.lengths)
 
     def _row_arrays(self, folded, i: int) -> Dict[str, mx.array]:
         H = self.heads
@@ -298,6 +315,7 @@ class TurboQuantBatchPackedCache(_BaseCache):
             if any(self.lengths):
                 raise ValueError("left_padding can only be added to an empty batch cache")
             self._lead = [int(p) for p in left_padding]
+            self.offset = mx.array([-p for p in self._lead], dtype=mx.int32)  # RoPE: a row's first token is at 0
         if lengths is not None:
             self._pending = [int(n) for n in lengths]
 
@@ -338,25 +356,20 @@ class TurboQuantBatchPackedCache(_BaseCache):
         self._lead = None  # left padding precedes the first chunk only
         S = self.options.sink
         s = [min(max(S - n, 0), r) for n, r in zip(self.sink_n, real)]
-        sink_old, coded_old, tail_old = list(self.sink_n), list(self.coded), list(self.tail_n)
         if any(s):
             self._fill_sink(keys, values, lead, s)
         rest = [r - x for r, x in zip(real, s)]
         if self._block == 1:
             self._code_direct(keys, values, [a + x for a, x in zip(lead, s)], rest)
-            n_code = rest
         else:
             self._append_tail(keys, values, lead, real, rest)
-            n_code = self._code_tail()
-        self.lengths = [n + r for n, r in zip(self.lengths, real)]
-        first_new = [a + x for a, x in zip(lead, s)]  # chunk index of each row's first post-sink token
-        Lt = self.tail.length
-        self._geometry = (T, all(r == T for r in real), (
-            ([0] * B, list(self.sink_n), sink_old, lead),
-            ([0] * B, list(self.coded), [c + t for c, t in zip(coded_old, tail_old)], first_new),
-            ([Lt - t for t in self.tail_n], [Lt] * B,
-             [Lt - t + o - n for t, o, n in zip(self.tail_n, tail_old, n_code)], first_new),
-        ))
+            self._code_tail()
+        self._set_lengths([n + r for n, r in zip(self.lengths, real)])
+        self._chunk = (T, lead, real)
+
+    def _set_lengths(self, lengths: List[int]) -> None:
+        self.lengths = lengths
+        self.offset = mx.array(lengths, dtype=mx.int32)  # what RoPE reads, once per update (not per layer)
 
     def _fill_sink(self, keys, values, lead, s) -> None:
         """Row r's next ``s[r]`` real tokens (chunk positions from ``lead[r]``) join its sink: one gather."""
@@ -414,7 +427,7 @@ class TurboQuantBatchPackedCache(_BaseCache):
             by = mx.array(shift, dtype=mx.int32)[:, None]
             self.tail.load({n: mx.where(valid, dynamic_roll(a, by, axis=2), 0) for n, a in view.items()})
 
-    def _code_tail(self) -> List[int]:
+    def _code_tail(self) -> None:
         """Rows code their oldest whole blocks beyond the trim headroom (fitting first, on their whole tail)."""
         blk, L = self._block, self.tail.length
         n_code = [max(t - self.options.trim_headroom, 0) // blk * blk for t in self.tail_n]
@@ -433,7 +446,6 @@ class TurboQuantBatchPackedCache(_BaseCache):
             self.coded = [c + n for c, n in zip(self.coded, n_code)]
             self.tail_n = [t - n for t, n in zip(self.tail_n, n_code)]
             self._drop_tail_padding()
-        return n_code
 
     def _drop_tail_padding(self, at_least: int = 1) -> None:
         """Forget tail slots that are padding in every row (one copy of the small tail)."""
@@ -447,7 +459,7 @@ class TurboQuantBatchPackedCache(_BaseCache):
 
     def attention_parts(self) -> List[Any]:
         """The batch as attention parts ``[sink | codes | tail]``, folded ``(1, B*H, ...)`` (the folded codecs'
-        per-head parameters are per sequence); row validity is `attention_mask`'s."""
+        per-head parameters are per sequence); row validity is `decode_mask`'s."""
         S, C, L = self._part_sizes()
         parts: List[Any] = []
         if S:
@@ -462,49 +474,70 @@ class TurboQuantBatchPackedCache(_BaseCache):
             parts.append(ExactPart(t["k"], t["v"]))
         return parts
 
-    def attention_mask(self, L: int):
-        """Bool ``(B, 1, L, N)`` over `attention_parts` for ``L`` queries: the last update's T tokens (a row's pad
-        slots and its later chunk tokens hidden), or one query that sees every stored token of its row; None /
-        "causal" when no row has a pad slot."""
-        T, full, geometry = self._geometry
-        if L == 1:
-            T, full = 1, True
-        elif L != T:
-            raise ValueError(f"queries must be the last update's {T} tokens or a single one, got L={L}")
-        sizes = self._part_sizes()
-        padded = not full or any(
-            n and (any(lo) or any(h != n for h in hi)) for n, (lo, hi, _, _) in zip(sizes, geometry))
-        if not padded:
-            return None if T == 1 else "causal"
-        q = mx.arange(T, dtype=mx.int32).reshape(1, 1, T, 1)
+    def decode_mask(self):
+        """Bool ``(B, 1, 1, N)`` over `attention_parts`: each row's stored tokens (its pad slots hidden), or None
+        when no row has a pad slot."""
+        B, L, sizes = self.B, self.tail.length, self._part_sizes()
+        ranges = (([0] * B, self.sink_n), ([0] * B, self.coded), ([L - t for t in self.tail_n], [L] * B))
+        if not any(n and (any(lo) or any(h != n for h in hi)) for n, (lo, hi) in zip(sizes, ranges)):
+            return None
         pieces = []
-        for n, (lo, hi, new_from, chunk0) in zip(sizes, geometry):
-            if not n:
-                continue
-            slot = mx.arange(n, dtype=mx.int32).reshape(1, 1, 1, n)
-            nf = _column(new_from)
-            visible = (slot >= _column(lo)) & (slot < _column(hi))
-            if T > 1:
-                visible = visible & ((slot < nf) | (_column(chunk0) + slot - nf <= q))
-            pieces.append(mx.broadcast_to(visible, (self.B, 1, T, n)))
+        for n, (lo, hi) in zip(sizes, ranges):
+            if n:
+                slot = mx.arange(n, dtype=mx.int32).reshape(1, 1, 1, n)
+                pieces.append((slot >= _column(lo)) & (slot < _column(hi)))
         return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=-1)
+
+    def row_parts(self, i: int) -> List[Any]:
+        """Row ``i``'s stored tokens alone, ``[sink | codes | tail]`` with its own codecs: exactly the attention
+        parts of its per-sequence cache (views, no pad slot)."""
+        parts: List[Any] = []
+        if self.sink_n[i]:
+            parts.append(ExactPart(self.sink["k"][i:i + 1, :, :self.sink_n[i]], self.sink["v"][i:i + 1, :, :self.sink_n[i]]))
+        if self.coded[i]:
+            k, v = self.k_codes.row_view(i, self.coded[i]), self.v_codes.row_view(i, self.coded[i])
+            parts.append(CodedPart(self._row_codec(0, i), k, self._row_codec(1, i), v))
+        if self.tail_n[i]:
+            t = {n: a[i:i + 1, :, self.tail.length - self.tail_n[i]:self.tail.length] for n, a in self.tail.buffers.items()}
+            parts.append(ExactPart(t["k"], t["v"]))
+        return parts
 
     def attend_packed(self, queries: mx.array, scale: float, mask, sinks: Optional[mx.array] = None) -> mx.array:
         """SDPA of ``queries`` ``(B, Hq, L, d)`` over every row's stored tokens, from the codes ->
-        ``(B, Hq, L, dv)``. ``mask`` (mlx_lm's, from `make_mask`) is replaced by the per-row `attention_mask`."""
+        ``(B, Hq, L, dv)``: the last update's L tokens (causal) or one query that sees everything. ``mask``
+        (mlx_lm's, from `make_mask`) is replaced by each row's own: pad slots and pad queries are never attended."""
         if self.dims is None or not any(self.lengths):
             raise ValueError("attend_packed needs a cache holding tokens (call update_and_fetch first)")
         B, Hq, L, d = queries.shape
         if B != self.B:
             raise ValueError(f"queries have batch size {B}, but this cache holds {self.B} sequences")
-        rows = self.attention_mask(L)
-        if isinstance(rows, mx.array):  # per sequence -> per folded query head
-            N = rows.shape[-1]
-            rows = mx.broadcast_to(rows, (B, Hq, L, N)).reshape(1, B * Hq, L, N)
+        if L > 1:
+            return self._attend_chunk(queries, scale, sinks)
+        rows = _folded_decode_mask(self, Hq)
         if sinks is not None:
             sinks = mx.tile(sinks.reshape(-1), (B,))
         out = packed_attention(queries.reshape(1, B * Hq, L, d), self.attention_parts(), scale, rows, sinks=sinks)
         return out.reshape(B, Hq, L, out.shape[-1])
+
+    def _attend_chunk(self, queries: mx.array, scale: float, sinks) -> mx.array:
+        """A prompt chunk, one sequence at a time (prefill, not the decode step): each row's real queries against
+        its own parts, causal, exactly as alone; pad queries get zeros."""
+        T, lead, real = self._chunk
+        if queries.shape[2] != T:
+            raise ValueError(f"queries must be the last update's {T} tokens or a single one, got L={queries.shape[2]}")
+        B, Hq, _, _ = queries.shape
+        outs = []
+        for i in range(B):
+            a, r = lead[i], real[i]
+            o = None
+            if r:
+                o = packed_attention(queries[i:i + 1, :, a:a + r], self.row_parts(i), scale, "causal" if r > 1 else None,
+                                     sinks=sinks)
+            dv = self.dims[1]
+            pieces = [x for x in (mx.zeros((1, Hq, a, dv), queries.dtype) if a else None, o,
+                                  mx.zeros((1, Hq, T - a - r, dv), queries.dtype) if T - a - r else None) if x is not None]
+            outs.append(pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2))
+        return mx.concatenate(outs, axis=0)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None, **kwargs):
         # attend_packed builds each row's mask itself; mlx_lm gets the mask it expects for the longest row.
@@ -522,9 +555,10 @@ class TurboQuantBatchPackedCache(_BaseCache):
         if any(not 0 <= i < self.B for i in idx):
             raise ValueError(f"batch_indices must lie in [0, {self.B}), got {idx}")
         pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
-        self.lengths, self.sink_n, self.coded, self.tail_n, self.fitted = map(
+        lengths, self.sink_n, self.coded, self.tail_n, self.fitted = map(
             pick, (self.lengths, self.sink_n, self.coded, self.tail_n, self.fitted))
         self.B = len(idx)
+        self._set_lengths(lengths)
         if self.dims is None or not idx:
             return
         rows = mx.array(idx, dtype=mx.int32)
