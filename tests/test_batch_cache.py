@@ -367,3 +367,34 @@ def test_left_padded_prompt_equals_each_sequence_alone():
             assert not mx.any(got[i, :, :T - n]).item()  # pad queries: zeros, not NaN
             _states_equal(batch.extract(i), c)
     assert batch.offset.tolist() == list(lengths)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# `veloxquant generate` with several prompts (batched through mlx_lm's BatchGenerator)
+# ---------------------------------------------------------------------------------------------------------
+def test_generate_command_needs_a_prompt_and_a_readable_prompts_file(capsys, tmp_path):
+    from veloxquant_mlx.cli import main
+
+    assert main(["generate"]) != 0 and "--prompt" in capsys.readouterr().err
+    assert main(["generate", "--prompts-file", str(tmp_path / "none.txt")]) != 0
+    assert "--prompts-file" in capsys.readouterr().err
+    (tmp_path / "empty.txt").write_text("\n  \n")
+    assert main(["generate", "--prompts-file", str(tmp_path / "empty.txt")]) != 0
+    assert "holds no prompt" in capsys.readouterr().err
+
+
+@pytest.mark.model
+def test_generate_command_batches_several_prompts(smollm2, capsys, tmp_path, batched_attention):
+    from veloxquant_mlx.cli import main
+
+    (tmp_path / "prompts.txt").write_text("What is the capital of Japan?\n\nWhat is the capital of France?\n")
+    rc = main(["generate", "--prompt", "What is the capital of France?", "--prompts-file", str(tmp_path / "prompts.txt"),
+               "--method", "tq-affine-k8v4", "--max-tokens", "8"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    answers = dict(line.split("] ", 1) for line in out.out.splitlines() if line.startswith("["))
+    assert "Paris" in answers["[1"] and "Tokyo" in answers["[2"] and answers["[3"] == answers["[1"], answers
+    assert "3 prompts batched" in out.err
+    assert batched_attention["attend_packed"] >= len(smollm2[0].layers) * 7
+    rc = main(["generate", "--prompt", "a", "--prompt", "b", "--method", "mlx-q4"])  # mlx_lm's 4-bit cannot batch
+    assert rc != 0 and "cannot batch several prompts" in capsys.readouterr().err
