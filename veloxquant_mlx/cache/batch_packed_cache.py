@@ -24,7 +24,7 @@ Attention runs on codes only (`attend_packed`), so the cache needs the packed-at
 call over the folded batch with a mask of each row's valid slots (built once per step, shared by the layers); a
 prompt chunk is attended one sequence at a time, its real queries against its own slots, causal: exactly what the
 sequence alone computes. The mask mlx_lm passes is not needed. ``recent > 0`` (exact windows read through a round
-trip) and sliding windows are not batched (clear errors).
+trip) is not batched (a clear error). `TurboQuantBatchRotatingPackedCache` batches sliding windows.
 """
 from __future__ import annotations
 
@@ -64,7 +64,8 @@ def _folded_decode_mask(cache, Hq: int):
     """`decode_mask` per folded query head ``(1, B*Hq, 1, N)`` (or None), built once per decode step: the layers
     after the first find it here (one entry, replaced atomically)."""
     global _last_mask
-    key = (Hq, cache.B, tuple(cache.sink_n), tuple(cache.coded), tuple(cache.tail_n), cache._part_sizes())
+    key = (Hq, cache.B, tuple(cache.sink_n), tuple(cache.start), tuple(cache.coded), tuple(cache.tail_n),
+           cache._part_sizes())
     last_key, mask = _last_mask
     if last_key != key:
         mask = cache.decode_mask()
@@ -134,13 +135,18 @@ class RowCodes:
         arrays = {f: _fold(a) for f, a in self.arrays.items()}
         return arrays if n == self.capacity else self.codec.slice_tokens(arrays, 0, n)
 
-    def row_view(self, i: int, n: int) -> Dict[str, mx.array]:
-        """Row ``i``'s first ``n`` tokens ``(1, H, ...)`` (views)."""
-        return self.codec.slice_tokens({f: a[i:i + 1] for f, a in self.arrays.items()}, 0, n)
+    def row_view(self, i: int, start: int, stop: int) -> Dict[str, mx.array]:
+        """Row ``i``'s slots ``[start, stop)`` ``(1, H, ...)`` (views)."""
+        return self.codec.slice_tokens({f: a[i:i + 1] for f, a in self.arrays.items()}, start, stop)
 
-    def row(self, i: int, n: int) -> Dict[str, mx.array]:
-        """Row ``i``'s first ``n`` tokens, as a per-sequence cache stores them (own memory, not a view)."""
-        return {f: mx.contiguous(a) for f, a in self.row_view(i, n).items()} if n else {}
+    def row(self, i: int, start: int, stop: int) -> Dict[str, mx.array]:
+        """Row ``i``'s slots ``[start, stop)``, as a per-sequence cache stores them (own memory, not a view)."""
+        return {f: mx.contiguous(a) for f, a in self.row_view(i, start, stop).items()} if stop > start else {}
+
+    def drop_front(self, n: int) -> None:
+        """Forget the first ``n`` slots of every row (a sliding window's evicted tokens; one copy)."""
+        self.arrays = {f: mx.contiguous(a) for f, a in self.codec.slice_tokens(self.arrays, n, self.capacity).items()}
+        self.capacity -= n
 
     def take(self, rows: mx.array, keep: int) -> None:
         """Keep rows ``rows`` (in that order) and the slots that hold their tokens (``keep``, rounded up)."""
@@ -174,6 +180,7 @@ class TurboQuantBatchPackedCache(_BaseCache):
         self._set_lengths([0] * batch_size)  # tokens per sequence (real ones); offset: the same as an array
         self.sink_n, self.coded, self.tail_n = [0] * batch_size, [0] * batch_size, [0] * batch_size
         self.fitted = [False] * batch_size
+        self.start = [0] * batch_size  # first live code slot per row (a sliding window evicts from there)
         self.dims: Optional[tuple] = None
         self.heads = 0
         self.sink: Optional[Dict[str, mx.array]] = None  # {"k", "v"}: (B, H, S, d)
@@ -183,7 +190,7 @@ class TurboQuantBatchPackedCache(_BaseCache):
         self.k_codec = self.v_codec = None  # the folded codecs: fitted arrays (B*H, ...)
         self._pending: Optional[List[int]] = None  # real tokens still to come per row (prepare(lengths=...))
         self._lead: Optional[List[int]] = None  # pad tokens before each row's first one (prepare(left_padding=))
-        self._chunk = None  # (T, first real position, real tokens per row) of the last update
+        self._chunk = None  # (T, first real position, real tokens, tokens before) per row, of the last update
         self._dependency = None
 
     # pipeline-parallel models set ``cache[-1].keys`` to a dependency (see TurboQuantPackedCache.keys)
@@ -225,20 +232,31 @@ class TurboQuantBatchPackedCache(_BaseCache):
         folded.load_fitted({n: mx.concatenate([a] * rows, axis=0) for n, a in arrays.items()})
         return folded
 
-    @classmethod
-    def merge(cls, caches) -> "TurboQuantBatchPackedCache":
-        """One batch cache from per-sequence `TurboQuantPackedCache` s (empty, filled, or restored from a file)."""
+    @staticmethod
+    def _single_class():
         from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache
 
-        caches = list(caches)
+        return TurboQuantPackedCache
+
+    def _new_single(self):
+        return self._single_class()(self.options, fetch_placeholders=self.fetch_placeholders)
+
+    @classmethod
+    def _from_first(cls, first, n: int):
+        return cls(first.options, n, first.fetch_placeholders)
+
+    @classmethod
+    def merge(cls, caches) -> "TurboQuantBatchPackedCache":
+        """One batch cache from per-sequence caches (empty, filled, or restored from a file)."""
+        caches, single = list(caches), cls._single_class()
         if not caches:
-            raise ValueError("caches must hold at least one TurboQuantPackedCache to merge")
+            raise ValueError(f"caches must hold at least one {single.__name__} to merge")
         for c in caches:
-            if type(c) is not TurboQuantPackedCache:
-                raise TypeError(f"caches must all be TurboQuantPackedCache, got {type(c).__name__}")
-            if c.options != caches[0].options or c.fetch_placeholders != caches[0].fetch_placeholders:
+            if type(c) is not single:
+                raise TypeError(f"caches must all be {single.__name__}, got {type(c).__name__}")
+            if c.options != caches[0].options or c._cache_meta() != caches[0]._cache_meta():
                 raise ValueError("caches to merge must share their options (one configuration per batch)")
-        new = cls(caches[0].options, len(caches), caches[0].fetch_placeholders)
+        new = cls._from_first(caches[0], len(caches))
         filled = [c for c in caches if c.dims is not None and c._count]
         if filled:
             new._setup(*filled[0].dims, filled[0]._heads()[1])
@@ -347,10 +365,14 @@ class TurboQuantBatchPackedCache(_BaseCache):
         return (_hook.placeholder_history((self.B, self.heads, N, self.dims[0]), keys.dtype),
                 _hook.placeholder_history((self.B, self.heads, N, self.dims[1]), values.dtype))
 
+    def _counts(self, T: int):
+        """``(lead, real)`` per row of a ``T``-token chunk: pad tokens first, then real ones (per `prepare`)."""
+        lead = self._lead or [0] * self.B
+        return lead, [max(min(T - a, T if self._pending is None else self._pending[i]), 0) for i, a in enumerate(lead)]
+
     def _append(self, keys: mx.array, values: mx.array) -> None:
-        B, T = self.B, keys.shape[2]
-        lead = self._lead or [0] * B
-        real = [max(min(T - a, T if self._pending is None else self._pending[i]), 0) for i, a in enumerate(lead)]
+        T = keys.shape[2]
+        lead, real = self._counts(T)
         if self._pending is not None:
             self._pending = [p - r for p, r in zip(self._pending, real)]
         self._lead = None  # left padding precedes the first chunk only
@@ -365,7 +387,7 @@ class TurboQuantBatchPackedCache(_BaseCache):
             self._append_tail(keys, values, lead, real, rest)
             self._code_tail()
         self._set_lengths([n + r for n, r in zip(self.lengths, real)])
-        self._chunk = (T, lead, real)
+        self._chunk = (T, lead, real, [n - r for n, r in zip(self.lengths, real)])
 
     def _set_lengths(self, lengths: List[int]) -> None:
         self.lengths = lengths
@@ -478,7 +500,7 @@ class TurboQuantBatchPackedCache(_BaseCache):
         """Bool ``(B, 1, 1, N)`` over `attention_parts`: each row's stored tokens (its pad slots hidden), or None
         when no row has a pad slot."""
         B, L, sizes = self.B, self.tail.length, self._part_sizes()
-        ranges = (([0] * B, self.sink_n), ([0] * B, self.coded), ([L - t for t in self.tail_n], [L] * B))
+        ranges = (([0] * B, self.sink_n), (self.start, self.coded), ([L - t for t in self.tail_n], [L] * B))
         if not any(n and (any(lo) or any(h != n for h in hi)) for n, (lo, hi) in zip(sizes, ranges)):
             return None
         pieces = []
@@ -494,8 +516,8 @@ class TurboQuantBatchPackedCache(_BaseCache):
         parts: List[Any] = []
         if self.sink_n[i]:
             parts.append(ExactPart(self.sink["k"][i:i + 1, :, :self.sink_n[i]], self.sink["v"][i:i + 1, :, :self.sink_n[i]]))
-        if self.coded[i]:
-            k, v = self.k_codes.row_view(i, self.coded[i]), self.v_codes.row_view(i, self.coded[i])
+        if self.coded[i] > self.start[i]:
+            k, v = (store.row_view(i, self.start[i], self.coded[i]) for store in (self.k_codes, self.v_codes))
             parts.append(CodedPart(self._row_codec(0, i), k, self._row_codec(1, i), v))
         if self.tail_n[i]:
             t = {n: a[i:i + 1, :, self.tail.length - self.tail_n[i]:self.tail.length] for n, a in self.tail.buffers.items()}
@@ -522,7 +544,7 @@ class TurboQuantBatchPackedCache(_BaseCache):
     def _attend_chunk(self, queries: mx.array, scale: float, sinks) -> mx.array:
         """A prompt chunk, one sequence at a time (prefill, not the decode step): each row's real queries against
         its own parts, causal, exactly as alone; pad queries get zeros."""
-        T, lead, real = self._chunk
+        T, lead, real, _ = self._chunk
         if queries.shape[2] != T:
             raise ValueError(f"queries must be the last update's {T} tokens or a single one, got L={queries.shape[2]}")
         B, Hq, _, _ = queries.shape
@@ -531,13 +553,17 @@ class TurboQuantBatchPackedCache(_BaseCache):
             a, r = lead[i], real[i]
             o = None
             if r:
-                o = packed_attention(queries[i:i + 1, :, a:a + r], self.row_parts(i), scale, "causal" if r > 1 else None,
+                o = packed_attention(queries[i:i + 1, :, a:a + r], self.row_parts(i), scale, self._chunk_mask(i),
                                      sinks=sinks)
             dv = self.dims[1]
             pieces = [x for x in (mx.zeros((1, Hq, a, dv), queries.dtype) if a else None, o,
                                   mx.zeros((1, Hq, T - a - r, dv), queries.dtype) if T - a - r else None) if x is not None]
             outs.append(pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2))
         return mx.concatenate(outs, axis=0)
+
+    def _chunk_mask(self, i: int):
+        """Row ``i``'s mask for its real queries of the last chunk, as its cache alone gets it from mlx_lm."""
+        return "causal" if self._chunk[2][i] > 1 else None
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None, **kwargs):
         # attend_packed builds each row's mask itself; mlx_lm gets the mask it expects for the longest row.
@@ -555,8 +581,8 @@ class TurboQuantBatchPackedCache(_BaseCache):
         if any(not 0 <= i < self.B for i in idx):
             raise ValueError(f"batch_indices must lie in [0, {self.B}), got {idx}")
         pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
-        lengths, self.sink_n, self.coded, self.tail_n, self.fitted = map(
-            pick, (self.lengths, self.sink_n, self.coded, self.tail_n, self.fitted))
+        lengths, self.sink_n, self.coded, self.tail_n, self.fitted, self.start = map(
+            pick, (self.lengths, self.sink_n, self.coded, self.tail_n, self.fitted, self.start))
         self.B = len(idx)
         self._set_lengths(lengths)
         if self.dims is None or not idx:
@@ -576,13 +602,11 @@ class TurboQuantBatchPackedCache(_BaseCache):
                 codec.load_fitted({n: a[fold_rows] for n, a in arrays.items()})
 
     def extract(self, idx: int):
-        """Sequence ``idx`` as a `TurboQuantPackedCache` that continues exactly as it would in the batch."""
-        from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache
-
+        """Sequence ``idx`` as a per-sequence cache that continues exactly as it would in the batch."""
         if not 0 <= int(idx) < self.B:
             raise ValueError(f"idx must lie in [0, {self.B}), got {idx}")
         i = int(idx)
-        cache = TurboQuantPackedCache(self.options, fetch_placeholders=self.fetch_placeholders)
+        cache = self._new_single()
         cache.offset = self.lengths[i]
         if self.dims is None:
             return cache
@@ -593,8 +617,8 @@ class TurboQuantBatchPackedCache(_BaseCache):
         own = lambda a, lo, hi: mx.contiguous(a[i:i + 1, :, lo:hi])  # noqa: E731
         if self.sink_n[i]:
             cache.sink_store.load({n: own(a, 0, self.sink_n[i]) for n, a in self.sink.items()})
-        cache.k_codes.load(self.k_codes.row(i, self.coded[i]))
-        cache.v_codes.load(self.v_codes.row(i, self.coded[i]))
+        cache.k_codes.load(self.k_codes.row(i, self.start[i], self.coded[i]))
+        cache.v_codes.load(self.v_codes.row(i, self.start[i], self.coded[i]))
         if self.tail_n[i]:
             L = self.tail.length
             cache.tail.load({n: own(a, L - self.tail_n[i], L) for n, a in self.tail.view().items()})
@@ -642,8 +666,8 @@ class TurboQuantBatchPackedCache(_BaseCache):
 
     def __deepcopy__(self, memo):
         new = copy.copy(self)
-        new.lengths, new.sink_n, new.coded, new.tail_n, new.fitted = (
-            list(x) for x in (self.lengths, self.sink_n, self.coded, self.tail_n, self.fitted))
+        new.lengths, new.sink_n, new.coded, new.tail_n, new.fitted, new.start = (
+            list(x) for x in (self.lengths, self.sink_n, self.coded, self.tail_n, self.fitted, self.start))
         new.tail = self.tail.copy()
         if self.sink is not None:
             new.sink = {n: mx.array(a) for n, a in self.sink.items()}
@@ -654,3 +678,69 @@ class TurboQuantBatchPackedCache(_BaseCache):
                 store.arrays = {f: mx.array(a) for f, a in store.arrays.items()}
                 setattr(new, name, store)
         return new
+
+
+class TurboQuantBatchRotatingPackedCache(TurboQuantBatchPackedCache):
+    """A batch of `TurboQuantRotatingPackedCache` s (sliding-window layers): every row evicts its own oldest tokens.
+
+    As alone, a row keeps its ``keep`` first tokens (its exact sink: batching needs ``sink == keep``) and its newest
+    others, ``max_size - 1`` old ones before a multi-token update, ``max_size`` after a one-token update. A row's
+    evicted code slots are skipped (``start``) and dropped from every row at once when all rows have evicted
+    enough (one copy per ``_CODE_STEP`` tokens); the prompt chunk's mask is the row's window, as alone.
+    """
+
+    def __init__(self, options, batch_size: int, max_size: int, keep: int, fetch_placeholders: bool = True):
+        super().__init__(options, batch_size, fetch_placeholders)
+        if options.sink != keep:  # evicting right after the sink keeps one live range of codes per row
+            raise ValueError(f"sink must equal keep ({keep}) to batch sliding-window caches, got sink={options.sink}")
+        if keep >= max_size:
+            raise ValueError(f"keep must be < max_size ({max_size}) to batch sliding-window caches, got {keep}")
+        self.max_size, self.keep = max_size, keep
+
+    @staticmethod
+    def _single_class():
+        from veloxquant_mlx.cache.packed_cache import TurboQuantRotatingPackedCache
+
+        return TurboQuantRotatingPackedCache
+
+    def _new_single(self):
+        return self._single_class()(self.options, max_size=self.max_size, keep=self.keep,
+                                    fetch_placeholders=self.fetch_placeholders)
+
+    @classmethod
+    def _from_first(cls, first, n: int):
+        return cls(first.options, n, first.max_size, first.keep, first.fetch_placeholders)
+
+    def _append(self, keys: mx.array, values: mx.array) -> None:
+        _, real = self._counts(keys.shape[2])
+        self._evict([self.max_size - 1 if r > 1 else None for r in real])  # alone: before a multi-token update
+        super()._append(keys, values)
+        self._evict([self.max_size if r == 1 else None for r in real])  # alone: after a one-token update
+
+    def _evict(self, limits) -> None:
+        """Row r keeps at most ``limits[r]`` tokens (None: no limit): its oldest codes after the sink go."""
+        for i, limit in enumerate(limits):
+            if limit is not None:
+                self.start[i] += max(self.sink_n[i] + self.coded[i] - self.start[i] - limit, 0)
+        gone = min(self.start)
+        if gone >= _CODE_STEP and self.k_codes is not None:
+            for store in (self.k_codes, self.v_codes):
+                store.drop_front(gone)
+            self.start = [x - gone for x in self.start]
+            self.coded = [x - gone for x in self.coded]
+
+    def _chunk_mask(self, i: int):
+        # TurboQuantRotatingPackedCache.make_mask for this row's chunk (window = max_size)
+        _, _, real, before = self._chunk
+        offset = min(self.max_size - 1, before[i])
+        if real[i] > 1 and offset + real[i] > self.max_size:
+            return create_causal_mask(real[i], offset, window_size=self.max_size)
+        return "causal" if real[i] > 1 else None
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None, **kwargs):
+        if window_size not in (None, self.max_size):
+            raise ValueError(f"window_size must be None or this cache's max_size ({self.max_size}), got {window_size}")
+        return super().make_mask(N, return_array=return_array)
+
+    def size(self) -> int:
+        return min(max(self.lengths, default=0), self.max_size)

@@ -430,10 +430,10 @@ class TurboQuantRotatingPackedCache(TurboQuantPackedCache):
 
     @classmethod
     def merge(cls, caches):
-        raise ValueError(
-            f"{cls.__name__} cannot be batched yet (sliding-window layers: merging them into a batch cache is not "
-            "implemented): generate one sequence at a time (mlx_lm.generate / stream_generate), or batch with "
-            "mlx_lm's own caches after veloxquant_mlx.disable(model).")
+        """mlx_lm's batching: per-sequence windows -> one `TurboQuantBatchRotatingPackedCache` (each evicts its own)."""
+        from veloxquant_mlx.cache.batch_packed_cache import TurboQuantBatchRotatingPackedCache
+
+        return TurboQuantBatchRotatingPackedCache.merge(caches)
 
     def _block_layout(self) -> bool:
         return codec_layout(self.codec).keys.BLOCKED
