@@ -1,16 +1,18 @@
-"""Load test of ``veloxquant serve``: requests/s and memory, compressed vs plain KV caches.
+"""Load test of ``veloxquant serve``: requests/s and latency, batched and not, compressed vs plain KV caches.
 
-For each configuration a server is started in this process on 127.0.0.1 (a free port; loopback
-only), ``--requests`` chat completions are sent by ``--concurrency`` client threads, and the server
-is stopped. Bounded: every request has a timeout and the whole run stops at ``--max-seconds``.
+Every configuration gets a server in this process on 127.0.0.1 (a free port; loopback only); all of them
+start first and get one warm-up request, then, for each ``--concurrency`` level (default 1, 4, 8, 16), each
+server in turn answers ``max(--min-requests, level * --requests-per-client)`` chat completions sent by that many
+client threads (interleaved, so a change in the machine's load hits every configuration alike). Bounded: every
+request has a timeout and the whole run stops at ``--max-seconds``.
 
-    python benchmarks/server_load.py                         # 100 requests per configuration
-    python benchmarks/server_load.py --requests 20 --out server_load.json
+    python benchmarks/server_load.py --min-requests 4 --max-tokens 8 --context-tokens 200 --out load.json
 
-Each prompt is a shared context paragraph (about ``--context-tokens`` tokens) plus one of several
-questions, so the prompt cache has a common prefix to reuse and the KV cache is large enough for
-its size to show. Memory: ``mx.get_peak_memory()`` (reset after startup, weights included), the
-bytes held by mlx_lm's LRU prompt cache at the end, and the process RSS.
+Each prompt is a shared context paragraph (about ``--context-tokens`` tokens) plus one of several questions, so the
+prompt cache has a common prefix to reuse. Then the KV memory: how many ``--capacity-tokens``-token sequences
+(4096) fit in ``--budget-gib`` (1 GiB) of KV cache, from the measured ``nbytes`` (`veloxquant_mlx.eval.memory`)
+of the caches the batch holds (two sequences merged into mlx_lm's ``BatchKVCache`` / our batch cache; mlx-lm's
+4-bit cache cannot be batched, so its own per-sequence cache).
 """
 from __future__ import annotations
 
@@ -37,23 +39,15 @@ CONTEXT = (
     "and the wireless network is separated from the wired one by a firewall. "
 )
 
-# (label, serve arguments): registered methods (`veloxquant methods`)
+# (label, serve arguments): registered methods (`veloxquant methods`); tq-affine-k8v4 is what `enable` uses
+COMPRESSED = "tq-affine-k8v4"
 DEFAULT_CONFIGS = [
-    ("kv (plain, batched)", ["--method", "kv"]),
-    ("kv (plain, one at a time)", ["--method", "kv", "--no-batching"]),
-    ("tq-mse-k4v4", ["--method", "tq-mse-k4v4"]),
+    ("plain kv, batched", ["--method", "kv"]),
+    (f"{COMPRESSED}, batched", ["--method", COMPRESSED]),
+    (f"{COMPRESSED}, one at a time", ["--method", COMPRESSED, "--no-batching"]),
 ]
-
-
-def _rss_mib() -> float:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    return float("nan")
+CAPACITY_CACHES = [("plain KVCache (model dtype)", "kv"), ("mlx-lm QuantizedKVCache 4-bit", "mlx-q4"),
+                   (f"ours {COMPRESSED}", COMPRESSED), ("ours tq-affine-k4v4", "tq-affine-k4v4")]
 
 
 def _post(port: int, body: dict, timeout: float):
@@ -67,94 +61,132 @@ def _post(port: int, body: dict, timeout: float):
         conn.close()
 
 
-def run_config(label, serve_args, model, tokenizer, n_requests, concurrency, max_tokens, context, deadline,
-               timeout):
-    import mlx.core as mx
-
+def _serve(serve_args, model, tokenizer, max_tokens):
     from veloxquant_mlx import server as vs
 
     args = vs.add_serve_arguments(argparse.ArgumentParser()).parse_args(
         ["--host", "127.0.0.1", "--log-level", "WARNING", "--max-tokens", str(max_tokens)] + serve_args
     )
-    handle = vs.start_server(args, model=model, tokenizer=tokenizer, port=0)  # port 0: a free one
+    return vs.start_server(args, model=model, tokenizer=tokenizer, port=0)  # port 0: a free one
+
+
+def _body(i: int, context: str, max_tokens: int) -> dict:
+    return {"model": "smollm2", "temperature": 0.0, "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": context + QUESTIONS[i % len(QUESTIONS)]}]}
+
+
+def run_cell(label, handle, n_requests, concurrency, max_tokens, context, deadline, timeout):
+    """``n_requests`` requests to one running server from ``concurrency`` client threads."""
     results, errors = [], []
     lock = threading.Lock()
     counter = iter(range(n_requests))
-    try:
-        mx.reset_peak_memory()
-        rss_before = _rss_mib()
 
-        def worker():
-            while time.monotonic() < deadline:
+    def worker():
+        while time.monotonic() < deadline:
+            with lock:
+                i = next(counter, None)
+            if i is None:
+                return
+            t0 = time.perf_counter()
+            try:
+                status, payload = _post(handle.port, _body(i, context, max_tokens), timeout)
+            except Exception as e:  # counted, the run goes on
                 with lock:
-                    i = next(counter, None)
-                if i is None:
-                    return
-                body = {"model": "smollm2", "temperature": 0.0, "max_tokens": max_tokens,
-                        "messages": [{"role": "user", "content": context + QUESTIONS[i % len(QUESTIONS)]}]}
-                t0 = time.perf_counter()
-                try:
-                    status, payload = _post(handle.port, body, timeout)
-                except Exception as e:  # counted, the run goes on
-                    with lock:
-                        errors.append(f"{type(e).__name__}: {e}")
-                    continue
-                dt = time.perf_counter() - t0
-                with lock:
-                    if status == 200:
-                        results.append((dt, payload["usage"]))
-                    else:
-                        errors.append(f"HTTP {status}: {payload}")
+                    errors.append(f"{type(e).__name__}: {e}")
+                continue
+            dt = time.perf_counter() - t0
+            with lock:
+                if status == 200:
+                    results.append((dt, payload["usage"]))
+                else:
+                    errors.append(f"HTTP {status}: {payload}")
 
-        t0 = time.perf_counter()
-        threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()) + timeout)
-        wall = time.perf_counter() - t0
-        lat = sorted(r[0] for r in results)
-        completion = sum(r[1]["completion_tokens"] for r in results)
-        prompt = sum(r[1]["prompt_tokens"] for r in results)
-        cached = sum((r[1].get("prompt_tokens_details") or {}).get("cached_tokens", 0) for r in results)
-        fp = handle.footprint
-        return {
-            "config": label,
-            "batching": handle.batching[0],
-            "requests_ok": len(results),
-            "errors": len(errors),
-            "first_error": errors[0] if errors else None,
-            "wall_s": wall,
-            "requests_per_s": len(results) / wall if wall > 0 else 0.0,
-            "completion_tokens_per_s": completion / wall if wall > 0 else 0.0,
-            "latency_p50_s": statistics.median(lat) if lat else None,
-            "latency_p95_s": lat[min(len(lat) - 1, int(0.95 * len(lat)))] if lat else None,
-            "prompt_tokens": prompt,
-            "cached_prompt_tokens": cached,
-            "kv_bytes_per_token": fp["bytes_per_token"],
-            "kv_bits_per_coordinate": fp["bits_per_coordinate"],
-            "prompt_cache_mib": handle.response_generator.prompt_cache.nbytes / 2**20,
-            "peak_mlx_mib": mx.get_peak_memory() / 2**20,
-            "rss_mib_before": rss_before,
-            "rss_mib_after": _rss_mib(),
-        }
-    finally:
-        handle.close()
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()) + timeout)
+    wall = time.perf_counter() - t0
+    lat = sorted(r[0] for r in results)
+    completion = sum(r[1]["completion_tokens"] for r in results)
+    prompt = sum(r[1]["prompt_tokens"] for r in results)
+    cached = sum((r[1].get("prompt_tokens_details") or {}).get("cached_tokens", 0) for r in results)
+    fp = handle.footprint
+    return {
+        "config": label,
+        "concurrency": concurrency,
+        "batching": handle.batching[0],
+        "requests_ok": len(results),
+        "errors": len(errors),
+        "first_error": errors[0] if errors else None,
+        "wall_s": wall,
+        "requests_per_s": len(results) / wall if wall > 0 else 0.0,
+        "completion_tokens_per_s": completion / wall if wall > 0 else 0.0,
+        "latency_p50_s": statistics.median(lat) if lat else None,
+        "latency_p95_s": lat[min(len(lat) - 1, int(0.95 * len(lat)))] if lat else None,
+        "prompt_tokens": prompt,
+        "cached_prompt_tokens": cached,
+        "kv_bytes_per_token": fp["bytes_per_token"],
+        "kv_bits_per_coordinate": fp["bits_per_coordinate"],
+        "prompt_cache_mib": handle.response_generator.prompt_cache.nbytes / 2**20,
+    }
+
+
+def capacity(model, tokens: int, budget_bytes: float, seed: int = 0):
+    """Concurrent ``tokens``-token sequences whose KV caches fit in ``budget_bytes``, per cache kind.
+
+    One layer of two sequences is filled with random keys/values of the model's KV shape, merged the way mlx_lm's
+    BatchGenerator merges them, and its ``nbytes`` read (`cache_nbytes`); every layer has that shape.
+    """
+    import mlx.core as mx
+
+    from veloxquant_mlx.attention import use_packed_attention
+    from veloxquant_mlx.eval.memory import cache_nbytes, model_kv_shape
+    from veloxquant_mlx.eval.specs import resolve_spec
+
+    n_layers, kv_heads, head_dim = model_kv_shape(model)
+    dtype = model.model.embed_tokens.weight.dtype
+    k1, k2 = mx.random.split(mx.random.key(seed))
+    keys = mx.random.normal((1, kv_heads, tokens, head_dim), key=k1).astype(dtype)
+    values = mx.random.normal((1, kv_heads, tokens, head_dim), key=k2).astype(dtype)
+    rows = []
+    with use_packed_attention():  # our caches store without decoding (what serving does)
+        for label, method in CAPACITY_CACHES:
+            layers = [resolve_spec(method).make_cache(model)[0] for _ in range(2)]
+            for c in layers:
+                mx.eval(c.update_and_fetch(keys, values))
+            batchable = hasattr(type(layers[0]), "merge")
+            held = type(layers[0]).merge(layers) if batchable else layers
+            per_sequence = (cache_nbytes(held) if batchable else sum(cache_nbytes(c) for c in held)) / 2 * n_layers
+            rows.append({"cache": label, "batched": batchable, "bytes_per_sequence": per_sequence,
+                         "sequences": int(budget_bytes // per_sequence)})
+    return rows
 
 
 def _table(rows):
-    head = ("| config | batched | ok/err | req/s | tok/s | p50 s | p95 s | cached/prompt tok | KV B/token "
-            "| bits/coord | prompt cache MiB | peak MLX MiB | RSS MiB |")
-    lines = [head, "|" + "---|" * 13]
-    for r in rows:
+    head = "| config | clients | batched | ok/err | req/s | vs plain batched | tok/s | p50 s | p95 s | cached/prompt tok |"
+    lines = [head, "|" + "---|" * 10]
+    plain = {r["concurrency"]: r["requests_per_s"] for r in rows if r["config"] == DEFAULT_CONFIGS[0][0]}
+    for r in sorted(rows, key=lambda r: (r["concurrency"], r["config"])):
+        ratio = r["requests_per_s"] / plain[r["concurrency"]] if plain.get(r["concurrency"]) else float("nan")
         lines.append(
-            f"| {r['config']} | {'yes' if r['batching'] else 'no'} | {r['requests_ok']}/{r['errors']} "
-            f"| {r['requests_per_s']:.2f} | {r['completion_tokens_per_s']:.1f} "
+            f"| {r['config']} | {r['concurrency']} | {'yes' if r['batching'] else 'no'} | {r['requests_ok']}/"
+            f"{r['errors']} | {r['requests_per_s']:.2f} | {ratio:.2f}x | {r['completion_tokens_per_s']:.1f} "
             f"| {r['latency_p50_s'] or float('nan'):.2f} | {r['latency_p95_s'] or float('nan'):.2f} "
-            f"| {r['cached_prompt_tokens']}/{r['prompt_tokens']} | {r['kv_bytes_per_token']:.0f} "
-            f"| {r['kv_bits_per_coordinate']:.2f} | {r['prompt_cache_mib']:.1f} | {r['peak_mlx_mib']:.0f} "
-            f"| {r['rss_mib_after']:.0f} |"
+            f"| {r['cached_prompt_tokens']}/{r['prompt_tokens']} |"
         )
+    return "\n".join(lines)
+
+
+def _capacity_table(rows, tokens: int, budget_gib: float):
+    plain = rows[0]
+    lines = [f"| KV cache | batched | MiB per {tokens}-token sequence | sequences in {budget_gib:g} GiB "
+             "| sequences vs plain | bytes vs plain |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['cache']} | {'yes' if r['batched'] else 'no'} | {r['bytes_per_sequence'] / 2**20:.1f} "
+                     f"| {r['sequences']} | {r['sequences'] / plain['sequences']:.2f}x "
+                     f"| {plain['bytes_per_sequence'] / r['bytes_per_sequence']:.2f}x smaller |")
     return "\n".join(lines)
 
 
@@ -167,20 +199,25 @@ def main(argv=None) -> int:
         pass
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--requests", type=int, default=100, help="requests per configuration (default 100)")
-    p.add_argument("--concurrency", type=int, default=4, help="client threads (default 4)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16], help="client threads (levels)")
+    p.add_argument("--min-requests", type=int, default=4, help="requests per cell at least (default 4)")
+    p.add_argument("--requests-per-client", type=int, default=1, help="requests per client thread (default 1)")
     p.add_argument("--max-tokens", type=int, default=16, help="completion tokens per request (default 16)")
     p.add_argument("--context-tokens", type=int, default=400,
                    help="approximate length of the shared context paragraph (default 400)")
     p.add_argument("--only", action="append", default=None,
                    help="run only configurations whose label contains this text (repeatable)")
+    p.add_argument("--capacity-tokens", type=int, default=4096, help="sequence length of the memory table")
+    p.add_argument("--budget-gib", type=float, default=1.0, help="KV budget of the memory table (GiB)")
     p.add_argument("--max-seconds", type=float, default=900.0, help="stop sending after this long in all")
     p.add_argument("--timeout", type=float, default=120.0, help="per-request timeout in seconds")
     p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     a = p.parse_args(argv)
-    for name in ("requests", "concurrency", "max_tokens"):
+    for name in ("min_requests", "requests_per_client", "max_tokens", "capacity_tokens"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if any(c < 1 for c in a.concurrency) or not a.budget_gib > 0:
+        p.error("--concurrency levels must be at least 1 and --budget-gib positive")
 
     from veloxquant_mlx.models import load_model
 
@@ -188,20 +225,33 @@ def main(argv=None) -> int:
     reps = max(1, round(a.context_tokens / max(1, len(tokenizer.encode(CONTEXT)))))
     context = CONTEXT * reps + "\n\n"
     configs = [c for c in DEFAULT_CONFIGS if not a.only or any(o in c[0] for o in a.only)]
+    cap = capacity(model, a.capacity_tokens, a.budget_gib * 2**30)  # first: serving threads own MLX streams
     deadline = time.monotonic() + a.max_seconds
-    rows = []
-    for label, serve_args in configs:
-        if time.monotonic() >= deadline:
-            print(f"skipped {label}: --max-seconds reached", file=sys.stderr)
-            continue
-        print(f"running {label} ...", file=sys.stderr, flush=True)
-        rows.append(run_config(label, serve_args, model, tokenizer, a.requests, a.concurrency, a.max_tokens,
-                               context, deadline, a.timeout))
-    print(f"{a.requests} requests per configuration, {a.concurrency} client threads, {a.max_tokens} "
-          f"completion tokens max, shared context ~{len(tokenizer.encode(context))} tokens, model {a.model}")
+    rows, handles = [], {}
+    try:
+        for label, serve_args in configs:
+            print(f"starting {label} ...", file=sys.stderr, flush=True)
+            handles[label] = _serve(serve_args, model, tokenizer, a.max_tokens)
+            run_cell(label, handles[label], 1, 1, a.max_tokens, context, deadline, a.timeout)  # warm-up
+        for level in a.concurrency:
+            n = max(a.min_requests, level * a.requests_per_client)
+            for label, _ in configs:
+                if time.monotonic() >= deadline:
+                    print(f"skipped {label} at {level} clients: --max-seconds reached", file=sys.stderr)
+                    continue
+                print(f"{label}: {n} requests from {level} clients ...", file=sys.stderr, flush=True)
+                rows.append(run_cell(label, handles[label], n, level, a.max_tokens, context, deadline, a.timeout))
+    finally:
+        for handle in handles.values():
+            handle.close()
+    print(f"concurrency levels {a.concurrency}, max({a.min_requests}, {a.requests_per_client} x clients) requests "
+          f"per cell, {a.max_tokens} completion tokens max, shared context ~{len(tokenizer.encode(context))} tokens, "
+          f"model {a.model}")
     print(_table(rows))
+    print()
+    print(_capacity_table(cap, a.capacity_tokens, a.budget_gib))
     if a.out:
-        a.out.write_text(json.dumps(rows, indent=2))
+        a.out.write_text(json.dumps({"load": rows, "capacity": cap}, indent=2))
     return 0 if all(r["errors"] == 0 for r in rows) else 1
 
 

@@ -119,14 +119,18 @@ def test_sliding_window_models_get_rotating_caches_and_prompt_files_load_in_mlx_
         vq.disable(model)
 
 
-def test_batch_generate_refuses_clearly_until_batching_lands():
+def test_batch_generate_batches_our_caches():
     from mlx_lm import batch_generate
 
     model = tiny()
+    tok = TokenizerWrapper(FakeTokenizer())
+    prompts = [PROMPT[:20], PROMPT[:70]]
     vq.enable(model)
     try:
-        with pytest.raises(ValueError, match="cannot be batched yet"):
-            batch_generate(model, TokenizerWrapper(FakeTokenizer()), [PROMPT[:20], PROMPT[:30]], max_tokens=2)
+        alone = [[r.token for r in stream_generate(model, tok, p, max_tokens=4)] for p in prompts]
+        out = batch_generate(model, tok, prompts, max_tokens=4, return_token_ids=True, return_prompt_caches=True)
+        assert out.token_ids == alone  # (tests/test_batch_cache.py compares logits, margin-aware)
+        assert all(type(c) is TurboQuantPackedCache for caches in out.caches for c in caches)
     finally:
         vq.disable(model)
 

@@ -24,6 +24,8 @@ from mlx_lm.models.cache import trim_prompt_cache
 from veloxquant_mlx import cli
 from veloxquant_mlx import server as vs
 from veloxquant_mlx.attention import hook
+import veloxquant_mlx as vq
+from veloxquant_mlx.cache.batch_packed_cache import TurboQuantBatchPackedCache
 from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache
 from veloxquant_mlx.eval.specs import method_names, resolve_spec
 
@@ -57,10 +59,15 @@ def on_codes(monkeypatch):
     """Counts ``attend_packed`` calls; the decoding ``_fetch`` raises while the attention hook routes."""
     calls, fetches = [], []
     attend, fetch = TurboQuantPackedCache.attend_packed, TurboQuantPackedCache._fetch
+    attend_batch = TurboQuantBatchPackedCache.attend_packed
 
     def counted(self, *args, **kwargs):
         calls.append(1)
         return attend(self, *args, **kwargs)
+
+    def counted_batch(self, *args, **kwargs):
+        calls.append(self.B)  # a batched forward pass attends for every sequence in it
+        return attend_batch(self, *args, **kwargs)
 
     def forbidden(self, dtype):
         if hook.is_active():
@@ -69,6 +76,7 @@ def on_codes(monkeypatch):
         return fetch(self, dtype)
 
     monkeypatch.setattr(TurboQuantPackedCache, "attend_packed", counted)
+    monkeypatch.setattr(TurboQuantBatchPackedCache, "attend_packed", counted_batch)
     monkeypatch.setattr(TurboQuantPackedCache, "_fetch", forbidden)
     yield calls
     assert not fetches
@@ -142,9 +150,10 @@ def test_batching_probe_tries_merge(tiny_model):
     assert ok, reason
     ok, reason = vs.probe_batching(tiny_model, resolve_spec("mlx-q4").make_cache)
     assert not ok and reason.startswith("QuantizedKVCache.merge")  # mlx_lm's quantized cache has none
-    # today's compressed caches refuse merge (when they learn it, this and the log line change together)
-    ok, reason = vs.probe_batching(tiny_model, resolve_spec(METHOD).make_cache)
-    assert not ok and reason.startswith("TurboQuantPackedCache.merge"), reason
+    ok, reason = vs.probe_batching(tiny_model, resolve_spec(METHOD).make_cache)  # ours merge into a batch cache
+    assert ok and "TurboQuantBatchPackedCache" in reason, reason
+    ok, reason = vs.probe_batching(tiny_model, lambda m: vq.make_prompt_cache(m, k_bits=4, recent=4))
+    assert not ok and reason.startswith("TurboQuantPackedCache.merge: recent must be 0"), reason
 
 
 LIMITS = vs.Limits(vocab_size=128, max_context=1024, model_names=("smollm2",))
@@ -213,8 +222,8 @@ def test_server_lifetime_installs_then_removes_the_attention_hook(serve, tiny_mo
     assert f"KV cache: {METHOD} (" in log
     fp = handle.footprint
     assert f"{fp['bits_per_coordinate']:.2f} bits/coordinate" in log and f"{fp['bytes_per_token']:.0f} bytes/token" in log
-    assert "concurrent requests: answered one after another (TurboQuantPackedCache.merge" in log
-    assert handle.batching[0] is False
+    assert "concurrent requests: batched (the caches merge into batch caches (TurboQuantBatchPackedCache" in log
+    assert handle.batching[0] is True
     assert hook.is_active() and mlx_base.scaled_dot_product_attention is not original
     handle.close()
     assert not hook.is_active() and mlx_base.scaled_dot_product_attention is original
@@ -233,13 +242,13 @@ def test_answers_and_prompt_cache_reuse_match_the_library(serve, smollm2, on_cod
     ref1, gen1 = _library_generate(model, tokenizer, prompt1, ref_cache)
     assert "Paris" in ref1
 
-    before = len(on_codes)
+    before = sum(on_codes)
     r1 = _ask(client, first)
     assert r1.choices[0].message.content == ref1 and r1.model == "smollm2"
     assert (r1.usage.prompt_tokens, r1.usage.completion_tokens) == (len(prompt1), len(gen1))
     assert r1.usage.prompt_tokens_details.cached_tokens == 0
     # attention on the codes: every layer, every forward pass (one per generated token at least)
-    assert len(on_codes) - before >= len(model.layers) * r1.usage.completion_tokens
+    assert sum(on_codes) - before >= len(model.layers) * r1.usage.completion_tokens
 
     second = first + [{"role": "assistant", "content": ref1}, {"role": "user", "content": "And of Germany?"}]
     r2 = _ask(client, second)
@@ -261,8 +270,13 @@ CAPITALS = {"France": "Paris", "Japan": "Tokyo"}  # SmolLM2-135M knows these (wi
 
 
 def test_concurrent_requests_are_answered_correctly(serve, smollm2, on_codes):
-    """Three requests at once, one of them streamed: each gets its own answer (served one after another)."""
-    handle = serve(*smollm2)
+    """Three requests at once, one of them streamed: each gets its own answer (batched: mlx_lm's BatchGenerator
+    over `TurboQuantBatchPackedCache`).
+
+    Served with the k8v4 block configuration: a batched forward pass differs from a single one in the last
+    float bits (batched matmuls, plain caches too), and SmolLM2 with 4-bit Lloyd-Max codes amplifies that into
+    another answer ("L'Étoile, la" for France, measured); tests/test_batch_cache.py compares batched to alone."""
+    handle = serve(*smollm2, "--method", "tq-affine-k8v4")
     client = _client(handle)
     jobs = [(0, "France", False), (1, "Japan", False), (2, "France", True)]
     answers, errors = {}, []
@@ -290,7 +304,8 @@ def test_concurrent_requests_are_answered_correctly(serve, smollm2, on_codes):
     for i, country, _ in jobs:
         assert CAPITALS[country] in answers[i], (country, answers[i])
     assert answers[0] == answers[2]  # the streamed answer is the same greedy text
-    assert len(on_codes) >= len(jobs) * len(smollm2[0].layers)
+    assert sum(on_codes) >= len(jobs) * len(smollm2[0].layers)
+    assert max(on_codes) >= 2  # some forward pass attended for several requests at once (batched)
     assert handle.response_generator.is_healthy
 
 
@@ -318,7 +333,7 @@ def test_veloxquant_serve_command_logs_answers_and_stops_cleanly(smollm2):
         log = "".join(lines)
         assert url, log
         assert f"KV cache: {METHOD} (turboquant_mse" in log and "bits/coordinate" in log and "bytes/token" in log
-        assert "concurrent requests: answered one after another" in log
+        assert "concurrent requests: batched" in log
         answer = _ask(openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120),
                       _user("What is the capital of France?"))
         assert "Paris" in answer.choices[0].message.content

@@ -102,9 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-tokens", type=_positive_int, default=24)
     d.add_argument("--out", help="also write the results as JSON")
 
-    g = sub.add_parser("generate", help="stream a chat answer through one cache method")
+    g = sub.add_parser("generate", help="stream a chat answer through one cache method (several prompts: batched)")
     model_opt(g)
-    g.add_argument("--prompt", required=True)
+    g.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for several (generated batched)")
+    g.add_argument("--prompts-file", help="a text file with one prompt per line (added to any --prompt)")
     g.add_argument("--method", default="kv", help="kv/fp16, mlx-q8/q4/q2, a family with --bits, ... (see `methods`)")
     g.add_argument("--bits", type=_bits, default=None)
     g.add_argument("--max-tokens", type=_positive_int, default=128)
@@ -320,10 +321,19 @@ def cmd_generate(args) -> int:
     group = mx.distributed.init()  # one rank unless launched with mlx.launch
     if args.pipeline and group.size() == 1:
         raise CLIError("--pipeline splits the layers over the ranks of mlx.launch; this is a single process")
+    prompts = list(args.prompt) + (_read_prompts(args.prompts_file) if args.prompts_file else [])
+    if not prompts:
+        raise CLIError("generate needs a prompt: --prompt TEXT (repeatable) or --prompts-file FILE")
+    if len(prompts) > 1 and group.size() > 1:
+        raise CLIError("several prompts are generated batched in one process; under mlx.launch give one --prompt")
     model, tok = _load(args)
     spec = resolve_spec(args.method, args.bits, model_kv_shape(model)[2])
-    ids = _chat_ids(tok, args.prompt, raw=args.raw)
-    _check_context(model, len(ids) + args.max_tokens, "prompt plus --max-tokens")
+    all_ids = [_chat_ids(tok, p, raw=args.raw) for p in prompts]
+    for ids in all_ids:
+        _check_context(model, len(ids) + args.max_tokens, "prompt plus --max-tokens")
+    if len(all_ids) > 1:
+        return _generate_batched(args, model, tok, spec, all_ids)
+    ids = all_ids[0]
     shard(model, group, pipeline=args.pipeline)
     cache = None
     if spec.options is not None:
@@ -345,6 +355,49 @@ def cmd_generate(args) -> int:
     if last is not None and leader:
         _say(f"[{spec.name}] prompt {last.prompt_tokens} tok at {last.prompt_tps:.1f} tok/s, "
              f"generated {last.generation_tokens} tok at {last.generation_tps:.1f} tok/s")
+    return 0
+
+
+def _read_prompts(path: str) -> List[str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            prompts = [line.strip() for line in f if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise CLIError(f"--prompts-file {path!r} cannot be read: {e}")
+    if not prompts:
+        raise CLIError(f"--prompts-file {path!r} holds no prompt (one per line)")
+    return prompts
+
+
+def _generate_batched(args, model, tok, spec, all_ids) -> int:
+    """Several prompts through mlx_lm's BatchGenerator (continuous batching); each answer printed when done."""
+    from mlx_lm.generate import BatchGenerator
+
+    from .integration import disable, enable
+    from .server import probe_batching
+
+    ok, why = probe_batching(model, spec.make_cache)
+    if not ok:
+        raise CLIError(f"--method {spec.name} cannot batch several prompts ({why}); give one --prompt")
+    if spec.options is not None:
+        enable(model, spec.options)  # BatchGenerator makes our caches and merges them into batch caches
+    try:
+        gen = BatchGenerator(model, max_tokens=args.max_tokens, stop_tokens=[[t] for t in tok.eos_token_ids],
+                             prefill_step_size=256)
+        caches = None if spec.options is not None else [spec.make_cache(model) for _ in all_ids]
+        uids = gen.insert(all_ids, caches=caches)
+        tokens, t0 = {uid: [] for uid in uids}, time.perf_counter()
+        while responses := gen.next_generated():
+            for r in responses:
+                if r.finish_reason != "stop":
+                    tokens[r.uid].append(r.token)
+                if r.finish_reason is not None:
+                    print(f"[{uids.index(r.uid) + 1}] {tok.decode(tokens[r.uid])}", flush=True)
+        gen.close()
+    finally:
+        disable(model)
+    n = sum(len(t) for t in tokens.values())
+    _say(f"[{spec.name}] {len(all_ids)} prompts batched: generated {n} tok in {time.perf_counter() - t0:.1f} s")
     return 0
 
 

@@ -3,8 +3,8 @@
 Built from :mod:`mlx_lm.server`'s public pieces, nothing of it patched: `ServedModel` gives the model the
 ``make_cache()`` mlx_lm's ``make_prompt_cache`` looks for, `ServedModelProvider` serves the model we loaded,
 `VeloxAPIHandler` refuses bad requests with OpenAI's JSON error, and `use_packed_attention()` holds for the
-server's lifetime. Requests are batched only when the caches merge (`probe_batching`); ours do not yet. Under
-``mlx.launch`` every rank holds its shard (`veloxquant_mlx.distributed.shard`) and rank 0 serves HTTP.
+server's lifetime. Requests are batched (mlx_lm's BatchGenerator) when the caches merge (`probe_batching`; ours
+into `TurboQuantBatchPackedCache`). Under ``mlx.launch`` every rank holds its shard and rank 0 serves HTTP.
 """
 from __future__ import annotations
 
@@ -110,10 +110,10 @@ def probe_batching(model, make_cache) -> Tuple[bool, str]:
     """(batchable, reason): mlx_lm's ``BatchGenerator`` merges per-request caches; try that on fresh ones."""
     for a, b in zip(make_cache(model), make_cache(model)):
         try:
-            type(a).merge([a, b])
+            merged = type(a).merge([a, b])
         except Exception as e:  # no merge, or it refuses: the requests are answered one after another
             return False, f"{type(a).__name__}.merge: {str(e).split('(')[0].strip()}"
-    return True, "the caches merge into mlx_lm's batch caches"
+    return True, f"the caches merge into batch caches ({type(merged).__name__} for the last layer)"
 
 
 class ServedModel:

@@ -323,11 +323,10 @@ class TurboQuantPackedCache(_BaseCache):
 
     @classmethod
     def merge(cls, caches):
-        raise ValueError(
-            f"{cls.__name__} cannot be batched yet (mlx_lm's batch_generate / BatchGenerator merge per-sequence "
-            "caches, and merging compressed caches into a batch cache is not implemented): generate one sequence at "
-            "a time (mlx_lm.generate / stream_generate), or batch with mlx_lm's own caches after "
-            "veloxquant_mlx.disable(model).")
+        """mlx_lm's batching: per-sequence caches -> one `TurboQuantBatchPackedCache` (every sequence stays packed)."""
+        from veloxquant_mlx.cache.batch_packed_cache import TurboQuantBatchPackedCache
+
+        return TurboQuantBatchPackedCache.merge(caches)
 
     # -- bytes ------------------------------------------------------------------------------------
     def _stores(self):
@@ -428,6 +427,13 @@ class TurboQuantRotatingPackedCache(TurboQuantPackedCache):
         if self.sink > self.keep:
             raise ValueError(f"sink must be <= keep ({self.keep}) in a rotating cache (sink tokens are never "
                              f"evicted), got {self.sink}")
+
+    @classmethod
+    def merge(cls, caches):
+        """mlx_lm's batching: per-sequence windows -> one `TurboQuantBatchRotatingPackedCache` (each evicts its own)."""
+        from veloxquant_mlx.cache.batch_packed_cache import TurboQuantBatchRotatingPackedCache
+
+        return TurboQuantBatchRotatingPackedCache.merge(caches)
 
     def _block_layout(self) -> bool:
         return codec_layout(self.codec).keys.BLOCKED
