@@ -296,3 +296,29 @@ def test_level_polynomials_are_exact_or_refused():
     assert level_polynomial(lloyd_max_codebook("beta", 5, d=64).centroids_np, 5) is None  # beyond MAX_POLY_BITS
     assert level_polynomial(np.array([-1.0, 0.1, 0.5, 1.0]), 2) is None  # not symmetric
     assert not LevelDecoder([(lloyd_max_codebook("beta", 3, d=64).centroids_np, 3)], 60).exact  # 60 % 8 != 0
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("n_outliers", [0, 8])
+def test_lloyd_max_fused_encode_writes_the_quantizers_codes(bits, n_outliers):
+    """TurboQuant-MSE codes come from one compiled compare-and-pack kernel (codecs._levels.CodePacker): they must
+    be the quantizer's own arrays bit for bit (a zero token and large values included)."""
+    from veloxquant_mlx.codecs import LloydMaxCodec
+    from veloxquant_mlx.codecs.lloyd_max import _packer, _permute
+
+    c = LloydMaxCodec("turboquant_mse", 64, bits, n_outliers=n_outliers, outlier_bits=8)
+    x = data(37) * 3.0
+    x = mx.concatenate([x[:, :, :1] * 0.0, x[:, :, 1:]], axis=2)
+    c.fit(x)
+    codes = c.encode(x)
+    assert (_packer(c.quantizers["i"]) is not None) == (bits <= 4)
+    xf = x - c.mean.astype(mx.float32)[None, :, None, :]
+    if c.perm is not None:
+        xf = _permute(xf, c.perm)
+    want = {}
+    for g, start, width, quant in c._groups():
+        want.update({f"{g}_{k}": v for k, v in quant.encode(xf[..., start: start + width]).arrays().items()})
+    assert sorted(codes) == sorted(want)
+    for f in want:
+        assert codes[f].dtype == want[f].dtype and codes[f].shape == want[f].shape, f
+        assert mx.array_equal(codes[f], want[f]).item(), f

@@ -147,3 +147,52 @@ def interleave(planes: Sequence[mx.array]) -> mx.array:
         return planes[0]
     st = mx.stack(planes, axis=-1)
     return st.reshape(*st.shape[:-2], -1)
+
+
+def _balanced_sum(terms: List[mx.array]) -> mx.array:
+    """Sum in a balanced tree (fusion depth log2 instead of len)."""
+    while len(terms) > 1:
+        terms = [terms[i] + terms[i + 1] if i + 1 < len(terms) else terms[i] for i in range(0, len(terms), 2)]
+    return terms[0]
+
+
+class CodePacker:
+    """Rotated coordinates ``(..., n, d)`` float32 -> their Lloyd-Max indices, packed: the words
+    ``pack(quantize_to_codebook(y, codebook), bits)`` gives, bit for bit, from one compiled kernel per unit.
+
+    Index = the number of boundaries strictly below the value (`codebooks.quantize_to_codebook`), summed from
+    compares in the kernel; the codes of a unit are shifted into place there too (same unit layout as
+    `LevelDecoder`). `exact` is False when the layout does not apply (more than 4 bits, or ``d`` not whole
+    units); the caller then packs with `dsa.bit_pack`.
+    """
+
+    def __init__(self, boundaries: np.ndarray, bits: int, d: int):
+        self.bits, self.d = int(bits), int(d)
+        self.boundaries = tuple(float(b) for b in np.asarray(boundaries, dtype=np.float32).reshape(-1))
+        self.layout = plane_layout(self.bits, self.d) if self.bits <= MAX_POLY_BITS else None
+        self.exact = self.layout is not None and len(self.boundaries) == (1 << self.bits) - 1
+        self._kernel = mx.compile(self._units) if self.exact else None
+        self._lock = threading.Lock()
+
+    def _units(self, *planes: mx.array) -> mx.array:
+        """P coordinate planes ``(..., n, d/P)`` -> one unit each ``(..., n, d/P)`` (uint8, or uint32 for 3 bytes)."""
+        dtype = mx.uint8 if self.layout[0] == 1 else mx.uint32
+        codes = [_balanced_sum([(y > b).astype(dtype) for b in self.boundaries]) for y in planes]
+        return _balanced_sum([c << (self.bits * j) if j else c for j, c in enumerate(codes)])
+
+    def __call__(self, y: mx.array) -> mx.array:
+        """``(..., n, d)`` float32 -> ``(..., n, ceil(d bits / 32))`` uint32."""
+        if not self.exact:
+            raise RuntimeError("CodePacker does not apply to these codes: use dsa.bit_pack.pack")
+        unit_bytes, per_unit = self.layout
+        # No token bucket: a cache encodes a few shapes over and over (one token per decode step, its
+        # prefill chunk), so each is traced once; padding one token to a bucket would code 256.
+        with self._lock:
+            units = self._kernel(*(y[..., j::per_unit] for j in range(per_unit)))
+        if unit_bytes > 1:  # the low unit_bytes bytes of each uint32 unit, little endian, are the stream
+            units = units.view(mx.uint8).reshape(*units.shape, 4)[..., :unit_bytes]
+        stream = units.reshape(*units.shape[:-2], -1) if unit_bytes > 1 else units  # (..., n', d bits / 8)
+        pad_bytes = -stream.shape[-1] % 4
+        if pad_bytes:
+            stream = mx.pad(stream, [(0, 0)] * (stream.ndim - 1) + [(0, pad_bytes)])
+        return mx.contiguous(stream).view(mx.uint32)

@@ -15,7 +15,9 @@ values ``((p * norms) . levels[codes])`` rotated back once after the sum. ``leve
 elementwise kernel per stream (:mod:`veloxquant_mlx.codecs._levels`: bit fields cut with shifts, levels as an
 exact polynomial of the code) feeding one BLAS matmul; TurboQuant-Prod adds its QJL term the same way in the
 sketch space (``(q_rot S^T) . signs * gamma``). Codes wider than `_levels.MAX_POLY_BITS` bits (an 8-bit outlier
-group) fall back to MLX's gather (`decode_rotated`), several times slower (benchmarks/attention.py).
+group) fall back to MLX's gather (`decode_rotated`), several times slower (benchmarks/attention.py). TurboQuant-MSE
+encoding fuses its index search and bit packing the same way (`_levels.CodePacker`: the quantizer's codes, bit
+for bit); Prod and RVQ keys encode through their quantizers.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import mlx.core as mx
 import numpy as np
 
 from veloxquant_mlx.codecs._common import PerTokenLayout, clamp_to, f32, finite_channel_mean
-from veloxquant_mlx.codecs._levels import LevelDecoder, interleave
+from veloxquant_mlx.codecs._levels import CodePacker, LevelDecoder, interleave
 from veloxquant_mlx.dsa.bit_pack import packed_words
 from veloxquant_mlx.validate import check_int
 
@@ -88,6 +90,23 @@ def _fast_terms(quant) -> Optional[Tuple[_Term, ...]]:
     else:
         return None
     return tuple(terms) if all(t.decoder.exact for t in terms) else None
+
+
+@functools.lru_cache(maxsize=None)
+def _packer(quant) -> Optional[CodePacker]:
+    """The fused index packer of a TurboQuant-MSE quantizer (None: its own encode)."""
+    if quant.quantizer_type != "turboquant_mse":
+        return None
+    packer = CodePacker(quant.codebook.boundaries_np, quant.b, quant.d)
+    return packer if packer.exact else None
+
+
+def _encode_mse(quant, packer: CodePacker, x: mx.array) -> Dict[str, mx.array]:
+    """``quant.encode(x).arrays()`` (float32 ``x``) with the index quantization and packing fused (same arrays)."""
+    from veloxquant_mlx.quantizers._common import store_norms, unit_and_norm
+
+    u, norms = unit_and_norm(x)
+    return {"indices": packer(quant.rotation.apply(u)), "norms": store_norms(norms, quant.norm_dtype)}
 
 
 def _stream_bits(quant, field: str) -> int:
@@ -223,8 +242,10 @@ class LloydMaxCodec(PerTokenLayout):
             xf = _permute(xf, self.perm)
         out: Dict[str, mx.array] = {}
         for g, start, width, quant in self._groups():
-            ev = quant.encode(xf[..., start: start + width])
-            out.update({f"{g}_{field}": arr for field, arr in ev.arrays().items()})
+            xg = xf[..., start: start + width] if width != self.d else xf
+            packer = _packer(quant)
+            arrays = quant.encode(xg).arrays() if packer is None else _encode_mse(quant, packer, xg)
+            out.update({f"{g}_{field}": arr for field, arr in arrays.items()})
         return out
 
     # -- attention on codes -----------------------------------------------------------------------
