@@ -294,10 +294,9 @@ class LloydMaxCodec(PerTokenLayout):
             planes, scale = self._term_levels(g, t, codes)
             qt = q_rot if t.proj is None else q_rot @ mx.swapaxes(t.proj, 0, 1)
             step = len(planes)
-            part = None
-            for j, pl in enumerate(planes):  # plane j holds coordinates j::P
-                pj = qt[..., j::step] @ mx.swapaxes(pl, -1, -2)
-                part = pj if part is None else part + pj
+            part = qt[..., 0::step] @ mx.swapaxes(planes[0], -1, -2)
+            for j in range(1, step):  # plane j holds coordinates j::P; addmm: the sum in the matmul
+                part = mx.addmm(part, qt[..., j::step], mx.swapaxes(planes[j], -1, -2))
             part = part * mx.expand_dims(scale, -2)
             s = part if s is None else s + part
         return s
