@@ -1,29 +1,31 @@
-"""Packed Lloyd-Max codes -> their float levels in one fused elementwise kernel (pure MLX: `mx.compile`).
+"""Packed Lloyd-Max codes <-> their float levels in fused elementwise kernels (pure MLX: `mx.compile`).
 
 Attention on Lloyd-Max codes needs ``levels[code]`` for every stored coordinate at every step. Reading them
 with MLX's gather (`mx.take`, after unpacking the bit fields through `dsa.bit_pack`'s gather tables) costs about
-12 ns an element on CPU; one compiled elementwise kernel that cuts the bit fields with shifts and evaluates
-the levels as a polynomial of the code costs a small fraction of that (benchmarks/attention.py, BENCHMARKS.md).
+12 ns an element on CPU; a compiled elementwise kernel that cuts the bit fields with shifts and evaluates the
+levels as a polynomial of the code costs about 1 ns (`LevelDecoder`; benchmarks/attention.py, BENCHMARKS.md).
+`CodePacker` is the way back for encoding: index search by compares and bit packing in one kernel.
 Nothing here is device specific: `mx.compile` fuses on CPU, CUDA and Metal alike (and MLX runs the same graph
 unfused where it cannot compile).
 
 Why a polynomial is exact: a symmetric codebook (every Lloyd-Max codebook of `codebooks.py` is mirrored) is an
-odd function of ``x = code / c - 1`` with ``c = (2^b - 1) / 2``, so ``levels = x * r(x^2)`` with ``r`` of degree
-``2^(b-1) - 1``, solved in float64 at the 2^b codes. `level_polynomial` keeps it only when its float32 Horner
-evaluation reproduces every level to `FIT_TOL` (relative to the largest): true for b <= 4 (at most 8
-coefficients, measured ~1e-7); wider codes, or a table that is not symmetric, keep the gather path.
+odd function of ``u = code - c`` with ``c = (2^b - 1) / 2``, so ``levels = u * r(u^2)`` with ``r`` of degree
+``2^(b-1) - 1``, solved in float64 at the 2^b codes. `level_polynomial` keeps it only when its float32 evaluation
+(Estrin's scheme, as the kernel runs it) reproduces every level to `FIT_TOL` (relative to the largest): true for
+b <= 4 (at most 8 coefficients, measured ~1e-7) with the Beta and Gaussian codebooks; wider codes, a table that is
+not symmetric, or one the fit misses (RVQ's 4-bit Laplace stage) keep the gather path.
 
 Layout read: the packed words are viewed as bytes; a *unit* of ``b / gcd(b, 8)`` bytes holds ``P = 8 / gcd(b, 8)``
 whole codes (4 bits: 1 byte, 2 codes; 3 bits: 3 bytes, 8 codes), and code ``j`` of every unit forms *plane*
-``j``: coordinates ``j, j + P, j + 2P, ...``. One compiled kernel writes the P planes as separate contiguous
+``j``: coordinates ``j, j + P, j + 2P, ...``. One compiled function writes the P planes as separate contiguous
 arrays (multi-output, no broadcasting: MLX's strided broadcast loop and its concatenation each cost more than
 the level arithmetic), and callers multiply each plane with the matching strided slice of the query
 (``q[..., j::P]``) and interleave their small outputs.
 
 Shapes: ``words`` ``(..., n, W)`` uint32 in `dsa.bit_pack`'s layout (``W = ceil(d b / 32)``) -> ``P`` planes
 ``(..., n, d / P)`` float32. A compiled function is traced once per input shape (~0.4 ms a trace; shapeless
-compilation ran its kernels 2x slower on CPU), so the token axis is padded to a multiple of `TOKEN_BUCKET`: one
-trace then serves that many decode steps.
+compilation ran its kernels 2-3x slower on CPU), so the token axis is padded to a multiple of `TOKEN_BUCKET`:
+one trace then serves that many decode steps.
 """
 from __future__ import annotations
 
@@ -34,9 +36,8 @@ from typing import List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
-
 FIT_TOL = 1e-6  # largest level error allowed, relative to the largest level (float32 rounding is ~6e-8)
-MAX_POLY_BITS = 4  # 2^(b-1) coefficients: 8 at 4 bits; beyond, float32 Horner loses the levels' digits
+MAX_POLY_BITS = 4  # 2^(b-1) coefficients: 8 at 4 bits; at 5 bits (16) float32 misses the levels by 1e-3 (measured)
 TOKEN_BUCKET = 256
 
 
