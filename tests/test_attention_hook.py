@@ -251,3 +251,18 @@ def test_hold_while_alive_routes_until_the_object_is_collected():
     with pytest.raises(TypeError):  # a list cannot be weakly referenced: refused before anything is counted
         hook.hold_while_alive([])
     assert not hook.is_active()
+
+
+def test_a_hold_whose_count_was_taken_back_releases_nothing():
+    import gc
+
+    class Holder:
+        pass
+
+    a = Holder()
+    hook.hold_while_alive(a)
+    hook.uninstall()  # an unbalanced explicit uninstall takes the hold's count
+    assert not hook.is_active()
+    del a
+    gc.collect()  # its release finds nothing to undo: no negative count, mlx_lm's function stays in place
+    assert not hook.is_active() and hook._depth == 0 and llama.scaled_dot_product_attention is ORIGINAL

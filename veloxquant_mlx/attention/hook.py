@@ -181,7 +181,8 @@ def _drain() -> None:
         try:
             while _pending:
                 _pending.popleft()
-                _uninstall_locked()
+                if _depth > 0:  # an extra explicit uninstall() may already have taken this count back
+                    _uninstall_locked()
         finally:
             _lock.release()
 
