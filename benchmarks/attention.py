@@ -15,8 +15,11 @@ minimum is the least disturbed run when other processes share the cores):
   bits; ``ours_blk4v2``: 4-bit keys, 2-bit values; ``ours_blk8v4`` / ``ours_blk8``: 8-bit keys, 4-bit / 8-bit
   values (MLX's CPU quantized matmul is faster on byte-aligned codes); ``ours_blk4_win``: ``ours_blk4`` plus an exact window
   (4 sink + 128 recent tokens) in the same softmax;
-- ``ours_lloyd4``: the Lloyd-Max `LloydMaxCodec` layout (turboquant_mse, 4 bits): decodes rotated codes
-  (seconds per call at 32k, so only up to ``--lloyd-max-n``, default 16k).
+- ``ours_lloyd{4,3,2}``: the Lloyd-Max `LloydMaxCodec` layout (turboquant_mse, K and V at 4 / 3 / 2 bits: what
+  tq-mse-k4v4 / k3v3 / k2v2 store), levels read by the fused kernel of `codecs._levels` and BLAS;
+  ``ours_prod4``: turboquant_prod 4-bit keys (3-bit levels + QJL signs), MSE 4-bit values (tq-prod-k4v4);
+  ``ours_lloyd4_gather``: the same codes as ``ours_lloyd4`` through MLX's gather (the codec's path for codes it
+  has no exact level polynomial for, and the only path before; slow, so only up to ``--lloyd-max-n``).
 
 ``bytes/tok/head`` counts K and V together, per token per KV head, every stored array included (not the
 per-head means or the exact window). Activations are float32 (float16 matmul is slow on CPU).
@@ -41,13 +44,16 @@ SHAPES = {"d64": (9, 3, 64), "d128": (32, 8, 128)}
 
 
 def build_candidates(Hq: int, Hkv: int, d: int, n: int, seed: int, skip_f16_above: int, lloyd_max_n: int,
-                     compiled: bool = False):
-    """name -> (zero-arg function returning the output, bytes per token per KV head for K+V)."""
+                     compiled: bool = False, only=None):
+    """name -> (zero-arg function returning the output, bytes per token per KV head for K+V); ``only``: keep
+    the candidates whose name contains one of these strings (and ``sdpa_f32``, the reference)."""
     import mlx.core as mx
     from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
     from veloxquant_mlx.attention.packed_sdpa import coded_attention
     from veloxquant_mlx.codecs import AffineBlockKeyCodec, AffineRotatedCodec, LloydMaxCodec
+
+    GatherLloydMax = _gather_codec()
 
     key = mx.random.key(seed)
     k1, k2, k3, k4 = mx.random.split(key, 4)
@@ -114,9 +120,26 @@ def build_candidates(Hq: int, Hkv: int, d: int, n: int, seed: int, skip_f16_abov
     ours("ours_blk8v4", AffineBlockKeyCodec(d, 8, seed=1), AffineRotatedCodec(d, 4, seed=2))
     ours("ours_blk8", AffineBlockKeyCodec(d, 8, seed=1), AffineRotatedCodec(d, 8, seed=2))
     ours("ours_blk4_win", AffineBlockKeyCodec(d, 4, seed=1), AffineRotatedCodec(d, 4, seed=2), window=True)
-    if n <= lloyd_max_n:  # seconds per call at 32k: kept to a reference size by default
-        ours("ours_lloyd4", LloydMaxCodec("turboquant_mse", d, 4, seed=1), LloydMaxCodec("turboquant_mse", d, 4, seed=2))
-    return cands
+    for bits in (4, 3, 2):
+        ours(f"ours_lloyd{bits}", LloydMaxCodec("turboquant_mse", d, bits, seed=1),
+             LloydMaxCodec("turboquant_mse", d, bits, seed=1001))
+    ours("ours_prod4", LloydMaxCodec("turboquant_prod", d, 4, seed=1), LloydMaxCodec("turboquant_mse", d, 4, seed=1001))
+    if n <= lloyd_max_n:  # the gather path: ~10x float32 SDPA, kept to a reference size by default
+        ours("ours_lloyd4_gather", GatherLloydMax("turboquant_mse", d, 4, seed=1),
+             GatherLloydMax("turboquant_mse", d, 4, seed=1001))
+    return {k: v for k, v in cands.items() if k == "sdpa_f32" or not only or any(o in k for o in only)}
+
+
+def _gather_codec():
+    from veloxquant_mlx.codecs import LloydMaxCodec
+
+    class GatherLloydMax(LloydMaxCodec):
+        """`LloydMaxCodec` without its fused level kernels: every group read through MLX's gather."""
+
+        def _fast(self, g, quant, codes):
+            return None
+
+    return GatherLloydMax
 
 
 def time_interleaved(cands, repeats: int, seed: int):
@@ -148,7 +171,9 @@ def main(argv=None):
     ap.add_argument("--skip-f16-above", type=int, default=1 << 30,
                     help="skip the (slow on CPU) float16 SDPA baseline above this n")
     ap.add_argument("--lloyd-max-n", type=int, default=16384,
-                    help="run the (slow, decoding) Lloyd-Max candidate only up to this n")
+                    help="run the (slow) Lloyd-Max gather candidate only up to this n")
+    ap.add_argument("--only", nargs="+", default=None,
+                    help="time only the candidates whose name contains one of these (plus sdpa_f32)")
     ap.add_argument("--compile", action="store_true", help="also time mx.compile'd ours_aff4 / ours_blk4 (suffix _c)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="results/attention.json")
@@ -166,7 +191,8 @@ def main(argv=None):
     for shape in args.shapes:
         Hq, Hkv, d = SHAPES[shape]
         for n in lengths:
-            cands = build_candidates(Hq, Hkv, d, n, args.seed, args.skip_f16_above, args.lloyd_max_n, args.compile)
+            cands = build_candidates(Hq, Hkv, d, n, args.seed, args.skip_f16_above, args.lloyd_max_n, args.compile,
+                                     args.only)
             times = time_interleaved(cands, repeats, args.seed + n)
             med = {k: statistics.median(ts) for k, ts in times.items()}
             low = {k: min(ts) for k, ts in times.items()}

@@ -10,9 +10,12 @@ Configs (all in one process; decode repeats interleaved so machine load hits eve
   quantized matmul is faster on byte-aligned codes);
 - ``tq-affine4-hook``: ours, ``codec="affine"`` 4-bit K/V (keys per token), inside the hook;
 - ``tq-lm4-hook``: ours, Lloyd-Max 4-bit K/V, inside the hook;
-- ``tq-lm4``: ours, Lloyd-Max 4-bit K/V, no hook (history decoded on every fetch; not in the default list);
+- ``tq-lm4``: ours, Lloyd-Max 4-bit K/V, built with ``route_attention=False`` and run outside the hook (history
+  decoded on every fetch: what attention cost before it ran on codes; not in the default list);
 - any registered TurboQuant method name (``veloxquant methods``, e.g. ``tq-affine-k8v4``: 4 exact sink tokens),
-  built as the CLI builds it, inside the hook.
+  built as the CLI builds it (`make_prompt_cache(model, options)`: attends from its codes while alive, no context
+  manager needed; run inside the hook as well, which changes nothing for them);
+- ``--configs all``: ``kv``, ``mlx-q4`` and every registered method.
 
 The configs above use `make_prompt_cache` defaults (no exact sink tokens).
 
@@ -82,7 +85,8 @@ def make_cache(name, model):
     if name == "mlx-q4":
         return [QuantizedKVCache(group_size=64, bits=4) for _ in model.layers]
     codec, k_bits, v_bits = OURS[name]
-    return vq.make_prompt_cache(model, k_bits=k_bits, v_bits=v_bits, codec=codec)
+    return vq.make_prompt_cache(model, k_bits=k_bits, v_bits=v_bits, codec=codec,
+                                route_attention=name.endswith("-hook"))
 
 
 def context_for(name):
@@ -185,7 +189,7 @@ def main(argv=None):
     ap.add_argument("--decode", type=int, default=48, help="decode tokens per pass / steps per round")
     ap.add_argument("--repeats", type=int, default=3, help="mlx_lm passes and interleaved rounds per config")
     ap.add_argument("--seed", type=int, default=0, help="turn order of the interleaved steps")
-    ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"comma list of {CONFIGS}")
+    ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"comma list of {CONFIGS} or registered methods, or 'all'")
     ap.add_argument("--loops", default=",".join(LOOPS), help=f"comma list of {LOOPS}")
     ap.add_argument("--out", default="results/e2e_speed.json")
     ap.add_argument("--summarize", metavar="JSON", help="print the paired step ratios of a saved run and exit")
@@ -195,6 +199,10 @@ def main(argv=None):
             print_paired(json.load(f)["rows"])
         return
     configs = [c for c in args.configs.split(",") if c]
+    if configs == ["all"]:
+        from veloxquant_mlx.eval.specs import CONFIGURATIONS
+
+        configs = ["kv", "mlx-q4", *CONFIGURATIONS]
     loops = [c for c in args.loops.split(",") if c]
     bad = sorted(c for c in configs if c not in CONFIGS and registered(c) is None) + sorted(set(loops) - set(LOOPS))
     if bad:

@@ -230,3 +230,39 @@ def test_packed_cache_end_to_end(model, codec, monkeypatch):
     assert all(c.n_coded > 0 for c in caches)  # the coded path really ran
     for a, b in zip(got, ref):
         np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3 * float(np.abs(b).max()))
+
+
+def test_hold_while_alive_routes_until_the_object_is_collected():
+    import gc
+
+    class Holder:
+        pass
+
+    a, b = Holder(), Holder()
+    hook.hold_while_alive(a)
+    hook.hold_while_alive(b)
+    assert hook.is_active() and llama.scaled_dot_product_attention is not ORIGINAL
+    del a
+    gc.collect()
+    assert hook.is_active()  # b still holds it
+    del b
+    gc.collect()
+    assert not hook.is_active() and llama.scaled_dot_product_attention is ORIGINAL
+    with pytest.raises(TypeError):  # a list cannot be weakly referenced: refused before anything is counted
+        hook.hold_while_alive([])
+    assert not hook.is_active()
+
+
+def test_a_hold_whose_count_was_taken_back_releases_nothing():
+    import gc
+
+    class Holder:
+        pass
+
+    a = Holder()
+    hook.hold_while_alive(a)
+    hook.uninstall()  # an unbalanced explicit uninstall takes the hold's count
+    assert not hook.is_active()
+    del a
+    gc.collect()  # its release finds nothing to undo: no negative count, mlx_lm's function stays in place
+    assert not hook.is_active() and hook._depth == 0 and llama.scaled_dot_product_attention is ORIGINAL

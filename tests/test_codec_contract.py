@@ -233,3 +233,92 @@ def test_a_new_layout_runs_a_model_from_its_codes(codec, monkeypatch, attention_
     assert attention_on_codes["attend_packed"] == 2 * 4 and all(type(c.k_codec).__name__ == type(CODECS[codec].keys(16)).__name__ for c in caches)
     tol = 2e-3 if codec == "float16" else 1.5e-2  # 16-bit rounding of K and V only
     assert float(mx.abs(got - ref).max()) <= tol * float(mx.abs(ref).max())
+
+
+# -- Lloyd-Max: every method and width through the fused level planes (codecs._levels) -----------------------
+# Registered configurations' (method, bits of the stored index stream) must take the fused path.
+FUSED = {("turboquant_mse", 4), ("turboquant_mse", 3), ("turboquant_mse", 2), ("turboquant_prod", 4),
+         ("turboquant_rvq", 2)}
+LLOYD_CASES = [(m, b, o) for m in ("turboquant_mse", "turboquant_prod", "turboquant_rvq") for b in (1, 2, 3, 4)
+               for o in (0, 8)] + [("turboquant_mse", 5, 0), ("turboquant_prod", 5, 8)]
+
+
+def _quantizer_decode(c, codes):
+    """The quantizers' own (gather) reconstruction, groups put back in channel order, mean added."""
+    from veloxquant_mlx.codecs.lloyd_max import _permute
+
+    parts = [quant.decode(c._ev(codes, g)).astype(mx.float32) for g, _, _, quant in c._groups()]
+    y = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+    if c.inv_perm is not None:
+        y = _permute(y, c.inv_perm)
+    return y + c.mean.astype(mx.float32)[None, :, None, :]
+
+
+@pytest.mark.parametrize("method,bits,n_outliers", LLOYD_CASES)
+def test_lloyd_max_fused_levels_equal_the_quantizers_decode(method, bits, n_outliers):
+    from veloxquant_mlx.codecs import LloydMaxCodec
+
+    c = LloydMaxCodec(method, 64, bits, n_outliers=n_outliers, outlier_bits=8)
+    x = data(300)  # not a multiple of the kernels' token bucket (256)
+    c.fit(x)
+    codes = c.encode(x)
+    fused = {g: c._fast(g, quant, codes) is not None for g, _, _, quant in c._groups()}
+    if (method, bits) in FUSED:
+        assert fused["i"], "a registered configuration's codes must be read by the fused kernels"
+    if n_outliers:
+        assert not fused["o"], "8-bit outlier codes have no exact level polynomial: gather path"
+    ref = _quantizer_decode(c, codes)
+    assert rel(c.decode(codes, mx.float32), ref) < 1e-6
+    rng = np.random.default_rng(2)
+    for rows in (1, 7):
+        q = mx.array(rng.standard_normal((2, H, rows, 64)).astype(np.float32))
+        p = mx.softmax(mx.array(rng.standard_normal((2, H, rows, 300)).astype(np.float32)), axis=-1)
+        assert rel(c.scores(q, codes), q @ mx.swapaxes(ref, -1, -2)) < 1e-5
+        assert rel(c.weighted_sum(p, codes), p @ ref) < 1e-5
+
+
+def test_level_polynomials_are_exact_or_refused():
+    from veloxquant_mlx.codebooks import lloyd_max_codebook
+    from veloxquant_mlx.codecs._levels import LevelDecoder, level_polynomial
+    from veloxquant_mlx.dsa.bit_pack import pack
+
+    for bits in (1, 2, 3, 4):
+        cb = lloyd_max_codebook("beta", bits, d=64)
+        assert level_polynomial(cb.centroids_np, bits) is not None
+        for d in (8, 56, 64):  # whole units only: one byte / 3 bytes hold 2, 4, 8 codes
+            idx = mx.array(np.random.default_rng(bits).integers(0, 1 << bits, (1, 2, 5, d)).astype(np.uint8))
+            dec = LevelDecoder([(cb.centroids_np, bits)], d)
+            planes = dec(pack(idx, bits))
+            step = len(planes)
+            want = np.array(mx.take(cb.centroids, idx.astype(mx.int32)))
+            for j, pl in enumerate(planes):
+                np.testing.assert_allclose(np.array(pl), want[..., j::step], rtol=0, atol=1e-6 * np.abs(want).max())
+    assert level_polynomial(lloyd_max_codebook("beta", 5, d=64).centroids_np, 5) is None  # beyond MAX_POLY_BITS
+    assert level_polynomial(np.array([-1.0, 0.1, 0.5, 1.0]), 2) is None  # not symmetric
+    assert not LevelDecoder([(lloyd_max_codebook("beta", 3, d=64).centroids_np, 3)], 60).exact  # 60 % 8 != 0
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("n_outliers", [0, 8])
+def test_lloyd_max_fused_encode_writes_the_quantizers_codes(bits, n_outliers):
+    """TurboQuant-MSE codes come from one compiled compare-and-pack kernel (codecs._levels.CodePacker): they must
+    be the quantizer's own arrays bit for bit (a zero token and large values included)."""
+    from veloxquant_mlx.codecs import LloydMaxCodec
+    from veloxquant_mlx.codecs.lloyd_max import _packer, _permute
+
+    c = LloydMaxCodec("turboquant_mse", 64, bits, n_outliers=n_outliers, outlier_bits=8)
+    x = data(37) * 3.0
+    x = mx.concatenate([x[:, :, :1] * 0.0, x[:, :, 1:]], axis=2)
+    c.fit(x)
+    codes = c.encode(x)
+    assert (_packer(c.quantizers["i"]) is not None) == (bits <= 4)
+    xf = x - c.mean.astype(mx.float32)[None, :, None, :]
+    if c.perm is not None:
+        xf = _permute(xf, c.perm)
+    want = {}
+    for g, start, width, quant in c._groups():
+        want.update({f"{g}_{k}": v for k, v in quant.encode(xf[..., start: start + width]).arrays().items()})
+    assert sorted(codes) == sorted(want)
+    for f in want:
+        assert codes[f].dtype == want[f].dtype and codes[f].shape == want[f].shape, f
+        assert mx.array_equal(codes[f], want[f]).item(), f

@@ -71,7 +71,7 @@ def test_generate_and_stream_generate_use_our_caches_from_codes(attention_on_cod
 
 def test_logits_with_and_without_routing_agree(attention_on_codes):
     model = tiny()
-    explicit = vq.make_prompt_cache(model, integration._default_options())
+    explicit = vq.make_prompt_cache(model, integration._default_options(), route_attention=False)
     decoded = teacher_forced_logits(model, explicit)  # hook off: the caches decode their history
     assert attention_on_codes["attend_packed"] == 0
     vq.enable(model)

@@ -132,12 +132,12 @@ def distinct_tokens(tokens) -> int:
 def test_llama_same_tokens_and_logits_with_and_without_hook(llama_model, codec, count_packed):
     p = prompt(2)
     opts = options(codec, sink=2, recent=4, trim_headroom=2)
-    ref_cache = make_prompt_cache(llama_model, **opts)
+    ref_cache = make_prompt_cache(llama_model, route_attention=False, **opts)
     ref_toks, ref_logits, _ = decode(llama_model, ref_cache, prefill(llama_model, ref_cache, p), STEPS)
     assert count_packed["attend"] == 0
     assert distinct_tokens(ref_toks) >= 3, "the tiny model must not be degenerate"
 
-    cache = make_prompt_cache(llama_model, **opts)
+    cache = make_prompt_cache(llama_model, route_attention=False, **opts)  # routed only inside the block
     assert all(c.fetch_placeholders for c in cache)
     with use_packed_attention():
         toks, logits, last = decode(llama_model, cache, prefill(llama_model, cache, p), STEPS)

@@ -9,21 +9,28 @@ while the hook is active pick the replacement up from ``base``; `uninstall()` re
 that still holds the replacement to exactly the original object. Nothing is patched at import time.
 
 Nesting is counted (only the outermost exit restores) and a lock guards the counter, so
-``with use_packed_attention():`` blocks may nest and raise freely.
+``with use_packed_attention():`` blocks may nest and raise freely. `hold_while_alive(obj)` is one more count
+that ends when ``obj`` is garbage collected (what `make_prompt_cache` does for the caches it builds, so they
+attend from their codes without a context manager); its release runs in a weakref finalizer, which may fire
+inside any allocation, so it never waits for the lock: when the lock is taken it leaves the release to the
+thread holding it.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import inspect
 import sys
 import threading
+import weakref
 from typing import Callable, List, Optional, Tuple
 
 import mlx.core as mx
 
 _NAME = "scaled_dot_product_attention"
-_lock = threading.RLock()
+_lock = threading.Lock()  # not re-entrant: a finalizer on the holding thread must not get in (see `_drain`)
 _depth = 0
+_pending = collections.deque()  # releases of collected holders not yet applied (deque.append is atomic)
 _original: Optional[Callable] = None  # mlx_lm.models.base's function when the hook went in
 _signature: Optional[inspect.Signature] = None
 _patched: List[Tuple[object, str]] = []  # (module, attribute) we set to the replacement
@@ -136,30 +143,64 @@ def install() -> None:
                         setattr(mod, attr, packed_scaled_dot_product_attention)
                         _patched.append((mod, attr))
         _depth += 1
+    _drain()
 
 
 def uninstall() -> None:
     """Undo one `install`; the last one restores every patched attribute to the original function."""
-    global _depth, _original
     with _lock:
         if _depth == 0:
             raise RuntimeError("uninstall() called without a matching install()")
-        _depth -= 1
-        if _depth > 0:
-            return
-        original = _original
-        # Modules imported while active hold the replacement too: restore every holder, and leave alone
-        # any attribute someone else has changed since (it no longer holds our function).
-        holders = {(id(m), a): (m, a) for m, a in _patched}
-        for mod in _mlx_lm_modules():
-            for attr, value in list(vars(mod).items()):
-                if value is packed_scaled_dot_product_attention:
-                    holders[(id(mod), attr)] = (mod, attr)
-        for mod, attr in holders.values():
-            if getattr(mod, attr, None) is packed_scaled_dot_product_attention:
-                setattr(mod, attr, original)
-        _patched.clear()
-        _original = None
+        _uninstall_locked()
+    _drain()
+
+
+def _uninstall_locked() -> None:
+    global _depth, _original
+    _depth -= 1
+    if _depth > 0:
+        return
+    original = _original
+    # Modules imported while active hold the replacement too: restore every holder, and leave alone
+    # any attribute someone else has changed since (it no longer holds our function).
+    holders = {(id(m), a): (m, a) for m, a in _patched}
+    for mod in _mlx_lm_modules():
+        for attr, value in list(vars(mod).items()):
+            if value is packed_scaled_dot_product_attention:
+                holders[(id(mod), attr)] = (mod, attr)
+    for mod, attr in holders.values():
+        if getattr(mod, attr, None) is packed_scaled_dot_product_attention:
+            setattr(mod, attr, original)
+    _patched.clear()
+    _original = None
+
+
+def _drain() -> None:
+    """Apply the releases finalizers queued; whoever gets the lock does (never blocks: finalizers call this)."""
+    while _pending and _lock.acquire(blocking=False):
+        try:
+            while _pending:
+                _pending.popleft()
+                if _depth > 0:  # an extra explicit uninstall() may already have taken this count back
+                    _uninstall_locked()
+        finally:
+            _lock.release()
+
+
+def _release() -> None:
+    _pending.append(None)
+    _drain()
+
+
+def hold_while_alive(obj) -> None:
+    """`install` now and the matching `uninstall` when ``obj`` is garbage collected (``obj``: weakly referenceable).
+
+    Explicit and reversible like `use_packed_attention`, scoped to an object's life instead of a block.
+    """
+    weakref.ref(obj)  # TypeError now, before counting, for an object that cannot be weakly referenced
+    install()
+    finalizer = weakref.finalize(obj, _release)
+    finalizer.atexit = False  # nothing to restore in a process that is ending
 
 
 @contextlib.contextmanager

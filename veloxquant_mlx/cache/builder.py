@@ -9,6 +9,13 @@ one `KVCache` per layer, or `RotatingKVCache(max_kv_size, keep=4)` as mlx_lm doe
 becomes a `TurboQuantPackedCache`, every `RotatingKVCache` a `TurboQuantRotatingPackedCache` with the
 same ``max_size`` / ``keep``, and anything else (SSM / `ArraysCache`, `ChunkedKVCache`, ...) is left to
 the model. `CacheList` entries are converted inside.
+
+Attention on codes without a context manager: while any cache built here for a model whose attention the hook
+can route is alive, mlx_lm's ``scaled_dot_product_attention`` is routed (:mod:`veloxquant_mlx.attention.hook`,
+`hook.hold_while_alive`): our caches attend from their codes, every other cache gets mlx_lm's function
+unchanged, and the last of our caches to be garbage collected restores it. ``route_attention=False`` builds
+caches that do not keep the routing in place (they decode their history when fetched, unless something else
+routes attention meanwhile: ``use_packed_attention()``, `enable`, or other live caches built with routing).
 """
 from __future__ import annotations
 
@@ -21,7 +28,7 @@ from typing import Any, List, Optional
 
 from mlx_lm.models import cache as mlx_cache
 
-from veloxquant_mlx.validate import check_int
+from veloxquant_mlx.validate import check_bool, check_int
 
 
 def _model_head_dim(model) -> Optional[int]:
@@ -110,6 +117,15 @@ def _model_layout(model, max_kv_size: Optional[int]) -> List[Any]:
             for c in base]
 
 
+def _attends_from_codes(cache) -> bool:
+    """Whether ``cache`` (or a `CacheList` entry of it) offers the hook's ``attend_packed``."""
+    from veloxquant_mlx.attention import hook
+
+    if isinstance(cache, mlx_cache.CacheList):
+        return any(_attends_from_codes(c) for c in cache.caches)
+    return hook.implements_protocol(cache)
+
+
 class KVCacheBuilder:
     """Makes fresh compressed caches for a model from one `CacheOptions`.
 
@@ -132,15 +148,21 @@ class KVCacheBuilder:
         self.options = resolve_options(config, **options)
 
     @classmethod
-    def for_model(cls, model, config=None, *, max_kv_size: Optional[int] = None, **options) -> List[Any]:
+    def for_model(cls, model, config=None, *, max_kv_size: Optional[int] = None, route_attention: bool = True,
+                  **options) -> List[Any]:
         """Fresh caches for ``model`` (a new list of new caches on every call)."""
-        return cls(config, **options).build(model, max_kv_size=max_kv_size)
+        return cls(config, **options).build(model, max_kv_size=max_kv_size, route_attention=route_attention)
 
-    def build(self, model, max_kv_size: Optional[int] = None) -> List[Any]:
-        """New caches for ``model``: its own layout, with attention caches replaced by compressed ones."""
+    def build(self, model, max_kv_size: Optional[int] = None, route_attention: bool = True) -> List[Any]:
+        """New caches for ``model``: its own layout, with attention caches replaced by compressed ones.
+
+        ``route_attention``: keep mlx_lm's attention routed to the caches' codes while any of them is alive (see
+        the module docstring); only for models whose attention the hook can route.
+        """
         if not hasattr(model, "layers"):
             raise TypeError(f"model must be an mlx_lm model with .layers, got {type(model).__name__}")
         check_int("max_kv_size", max_kv_size, 1, optional=True)
+        check_bool("route_attention", route_attention)
         base = _model_layout(model, max_kv_size)
         n_layers, head_dim = len(base), _model_head_dim(model)
         per_layer = [self.options.for_layer(i, n_layers, head_dim) for i in range(n_layers)]  # validates first
@@ -150,7 +172,14 @@ class KVCacheBuilder:
             for opts in {o.layer_options() for o in per_layer if o.kind == "packed"}:
                 codec_layout(opts.codec).keys.from_options(opts, "keys", head_dim)
         placeholders = attention_is_routable(model)
-        return [self._convert(c, per_layer[i], placeholders) for i, c in enumerate(base)]
+        caches = [self._convert(c, per_layer[i], placeholders) for i, c in enumerate(base)]
+        if route_attention and placeholders:
+            from veloxquant_mlx.attention import hook
+
+            for cache in caches:
+                if _attends_from_codes(cache):  # one count each, released when collected
+                    hook.hold_while_alive(cache)
+        return caches
 
     def _convert(self, cache, options, placeholders: bool = True):
         from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache, TurboQuantRotatingPackedCache
@@ -177,10 +206,13 @@ class KVCacheBuilder:
         return cache  # SSM / arrays / chunked caches stay the model's own
 
 
-def make_prompt_cache(model, config=None, *, max_kv_size: Optional[int] = None, **options) -> List[Any]:
-    """One line: compressed caches for ``model`` (see `KVCacheBuilder` for the options).
+def make_prompt_cache(model, config=None, *, max_kv_size: Optional[int] = None, route_attention: bool = True,
+                      **options) -> List[Any]:
+    """One line: compressed caches for ``model`` (see `KVCacheBuilder` for the options) that attend from their
+    codes for as long as they live (``route_attention``, the module docstring).
 
     ``max_kv_size`` gives every layer of a model without ``make_cache`` a sliding window of that size
     (``keep=4``), as ``mlx_lm.models.cache.make_prompt_cache`` does.
     """
-    return KVCacheBuilder.for_model(model, config, max_kv_size=max_kv_size, **options)
+    return KVCacheBuilder.for_model(model, config, max_kv_size=max_kv_size, route_attention=route_attention,
+                                    **options)

@@ -9,18 +9,28 @@ Per token vector x (one head, length d), around the quantizers of :mod:`veloxqua
    ``d - n_outliers`` at ``bits`` (the paper's 2.5 / 3.5-bit split);
 3. each channel group through ``QUANTIZERS[method](width, bits)``: rotate, code, pack.
 
-Attention reads the codes group by group in each group's rotated basis (``decode_rotated``: no inverse
-rotation of the history) against the query rotated per group: correct, but it materializes float32 rotated
-codes, so it is slower than the affine layouts.
+Attention reads the codes group by group in each group's rotated basis (no inverse rotation of the history):
+the query is rotated once (``q_rot = q Pi^T``), scores are ``(q_rot . levels[codes]) * norms`` and weighted
+values ``((p * norms) . levels[codes])`` rotated back once after the sum. ``levels[codes]`` comes from one fused
+elementwise kernel per stream (:mod:`veloxquant_mlx.codecs._levels`: bit fields cut with shifts, levels as an
+exact polynomial of the code) feeding one BLAS matmul; TurboQuant-Prod adds its QJL term the same way in the
+sketch space (``(q_rot S^T) . signs * gamma``). Codes wider than `_levels.MAX_POLY_BITS` bits (an 8-bit outlier
+group) fall back to MLX's gather (`decode_rotated`), several times slower (benchmarks/attention.py). TurboQuant-MSE
+encoding fuses its index search and bit packing the same way (`_levels.CodePacker`: the quantizer's codes, bit
+for bit); Prod and RVQ keys encode through their quantizers.
 """
 from __future__ import annotations
 
 import functools
-from typing import Dict, Optional
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
+import numpy as np
 
 from veloxquant_mlx.codecs._common import PerTokenLayout, clamp_to, f32, finite_channel_mean
+from veloxquant_mlx.codecs._levels import CodePacker, LevelDecoder, interleave
+from veloxquant_mlx.dsa.bit_pack import packed_words
 from veloxquant_mlx.validate import check_int
 
 GROUPS = ("o", "i")  # stored order: outlier channels first, then the inliers
@@ -42,6 +52,79 @@ def get_quantizer(method: str, d: int, bits: int, seed: int, rotation: str, jl_d
 def _permute(x: mx.array, perm: mx.array) -> mx.array:
     """``x`` ``(B, H, M, d)`` with per-head channel order ``perm`` ``(H, d)``: x[..., perm[h]]."""
     return mx.take_along_axis(x, mx.broadcast_to(perm[None, :, None, :], x.shape), axis=-1)
+
+
+@dataclass(frozen=True)
+class _Term:
+    """One additive part of a group's rotated reconstruction: ``scale * factor * (levels(codes) [@ proj])``.
+
+    ``proj`` ``(m, width)`` maps a term kept in an ``m``-dim sketch space to the group's basis (Prod's QJL term:
+    ``signs @ S``); None for terms already in it.
+    """
+
+    fields: Tuple[str, ...]  # packed streams whose levels add up (RVQ: two)
+    decoder: LevelDecoder
+    scale_field: str  # per-token factor (B, H, n)
+    factor: float
+    proj: Optional[mx.array]
+
+
+@functools.lru_cache(maxsize=None)
+def _fast_terms(quant) -> Optional[Tuple[_Term, ...]]:
+    """``quant``'s ``decode_rotated`` as fused terms, or None (some levels have no exact polynomial: gather).
+
+    Cached per quantizer (they are shared, `get_quantizer`), so every layer shares the decoders' compiled traces.
+    """
+    kind, d = quant.quantizer_type, quant.d
+    if kind == "turboquant_mse":
+        terms = [_Term(("indices",), LevelDecoder([(quant.codebook.centroids_np, quant.b)], d), "norms", 1.0, None)]
+    elif kind == "turboquant_rvq":
+        streams = [(quant.codebook1.centroids_np, quant.b), (quant.codebook2.centroids_np, quant.b)]
+        terms = [_Term(("indices", "indices2"), LevelDecoder(streams, d), "norms", 1.0, None)]
+    elif kind == "turboquant_prod":
+        terms = [] if quant.mse is None else [
+            _Term(("indices",), LevelDecoder([(quant.mse.codebook.centroids_np, quant.b - 1)], d), "norms", 1.0, None)]
+        # decode_rotated adds (signs @ S) * residual_norm * sqrt(pi/2)/m; signs are 1-bit codes of levels -1, +1.
+        terms.append(_Term(("signs",), LevelDecoder([(np.array([-1.0, 1.0]), 1)], quant.m), "residual_norm",
+                           quant._qjl_scale, quant.qjl_matrix))
+    else:
+        return None
+    return tuple(terms) if all(t.decoder.exact for t in terms) else None
+
+
+@functools.lru_cache(maxsize=None)
+def _packer(quant) -> Optional[CodePacker]:
+    """The fused index packer of a TurboQuant-MSE quantizer (None: its own encode)."""
+    if quant.quantizer_type != "turboquant_mse":
+        return None
+    packer = CodePacker(quant.codebook.boundaries_np, quant.b, quant.d)
+    return packer if packer.exact else None
+
+
+def _encode_mse(quant, packer: CodePacker, x: mx.array) -> Dict[str, mx.array]:
+    """``quant.encode(x).arrays()`` (float32 ``x``) with the index quantization and packing fused (same arrays)."""
+    from veloxquant_mlx.quantizers._common import store_norms, unit_and_norm
+
+    u, norms = unit_and_norm(x)
+    return {"indices": packer(quant.rotation.apply(u)), "norms": store_norms(norms, quant.norm_dtype)}
+
+
+def _stream_bits(quant, field: str) -> int:
+    """Bits per code of a stored stream (sign bits: 1)."""
+    if field == "signs":
+        return 1
+    return quant.b - 1 if quant.quantizer_type == "turboquant_prod" else quant.b
+
+
+def _packed(quant, terms, codes: Dict[str, mx.array], g: str) -> bool:
+    """Whether a group's stored streams are the packed uint32 words the fused decoders read."""
+    for t in terms:
+        width = t.decoder.d
+        for f in t.fields:
+            a = codes.get(f"{g}_{f}")
+            if a is None or a.dtype != mx.uint32 or a.shape[-1] != packed_words(width, _stream_bits(quant, f)):
+                return False
+    return True
 
 
 class LloydMaxCodec(PerTokenLayout):
@@ -159,12 +242,38 @@ class LloydMaxCodec(PerTokenLayout):
             xf = _permute(xf, self.perm)
         out: Dict[str, mx.array] = {}
         for g, start, width, quant in self._groups():
-            ev = quant.encode(xf[..., start: start + width])
-            out.update({f"{g}_{field}": arr for field, arr in ev.arrays().items()})
+            xg = xf[..., start: start + width] if width != self.d else xf
+            packer = _packer(quant)
+            arrays = quant.encode(xg).arrays() if packer is None else _encode_mse(quant, packer, xg)
+            out.update({f"{g}_{field}": arr for field, arr in arrays.items()})
+        return out
+
+    # -- attention on codes -----------------------------------------------------------------------
+    def _fast(self, g: str, quant, codes: Dict[str, mx.array]):
+        """The fused terms of group ``g`` when its codes can be read by them, else None (gather path)."""
+        terms = _fast_terms(quant)
+        return terms if terms is not None and _packed(quant, terms, codes, g) else None
+
+    def _term_levels(self, g: str, t: _Term, codes: Dict[str, mx.array]):
+        """``(P level planes (B, H, n, width_t / P) float32, per-token scale (B, H, n) float32)`` of one term."""
+        scale = codes[f"{g}_{t.scale_field}"].astype(mx.float32)
+        return t.decoder(*(codes[f"{g}_{f}"] for f in t.fields)), scale * t.factor if t.factor != 1.0 else scale
+
+    def _rotated(self, g: str, quant, codes: Dict[str, mx.array]) -> mx.array:
+        """Group ``g``'s float32 reconstruction ``(B, H, n, width)`` in its rotated basis."""
+        terms = self._fast(g, quant, codes)
+        if terms is None:
+            return quant.decode_rotated(self._ev(codes, g))
+        out = None
+        for t in terms:
+            planes, scale = self._term_levels(g, t, codes)
+            part = interleave(planes) * scale[..., None]
+            part = part if t.proj is None else part @ t.proj
+            out = part if out is None else out + part
         return out
 
     def decode(self, codes: Dict[str, mx.array], dtype) -> mx.array:
-        parts = [quant.decode(self._ev(codes, g)).astype(mx.float32) for g, _, _, quant in self._groups()]
+        parts = [quant.rotation.invert(self._rotated(g, quant, codes)) for g, _, _, quant in self._groups()]
         xf = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
         if self.inv_perm is not None:
             xf = _permute(xf, self.inv_perm)
@@ -172,16 +281,46 @@ class LloydMaxCodec(PerTokenLayout):
             xf = xf + self.mean.astype(mx.float32)[None, :, None, :]
         return clamp_to(xf, dtype)
 
-    # -- attention on codes -----------------------------------------------------------------------
     def decoded_offset(self) -> Optional[mx.array]:
         return None if self.mean is None else self.mean.astype(mx.float32)
 
+    def _group_scores(self, g: str, quant, q_rot: mx.array, codes: Dict[str, mx.array]) -> mx.array:
+        """``q_rot`` ``(B, H, M, width)`` (rotated) against group ``g``'s codes -> ``(B, H, M, n)``."""
+        terms = self._fast(g, quant, codes)
+        if terms is None:
+            return q_rot @ mx.swapaxes(quant.decode_rotated(self._ev(codes, g)), -1, -2)
+        s = None
+        for t in terms:  # norms scale whole key rows: applied to the (M, n) scores, not the (n, d) levels
+            planes, scale = self._term_levels(g, t, codes)
+            qt = q_rot if t.proj is None else q_rot @ mx.swapaxes(t.proj, 0, 1)
+            step = len(planes)
+            part = qt[..., 0::step] @ mx.swapaxes(planes[0], -1, -2)
+            for j in range(1, step):  # plane j holds coordinates j::P; addmm: the sum in the matmul
+                part = mx.addmm(part, qt[..., j::step], mx.swapaxes(planes[j], -1, -2))
+            part = part * mx.expand_dims(scale, -2)
+            s = part if s is None else s + part
+        return s
+
+    def _group_values(self, g: str, quant, p: mx.array, codes: Dict[str, mx.array]) -> mx.array:
+        """``p`` ``(B, H, M, n)`` times group ``g``'s rotated values -> ``(B, H, M, width)`` (still rotated)."""
+        terms = self._fast(g, quant, codes)
+        if terms is None:
+            return p @ quant.decode_rotated(self._ev(codes, g))
+        o = None
+        for t in terms:  # the per-token scale goes on the (M, n) weights, not the (n, d) levels
+            planes, scale = self._term_levels(g, t, codes)
+            ps = p * mx.expand_dims(scale, -2)
+            part = interleave([ps @ pl for pl in planes])
+            part = part if t.proj is None else part @ t.proj
+            o = part if o is None else o + part
+        return o
+
     def scores(self, q: mx.array, codes: Dict[str, mx.array], packed_rows: Optional[int] = None) -> mx.array:
+        # Every row count reads levels once and multiplies with BLAS, so packed_rows has nothing to choose.
         qp = _permute(q, self.perm) if self.perm is not None else q
         s = None
         for g, start, width, quant in self._groups():
-            k_rot = quant.decode_rotated(self._ev(codes, g))  # (B, H, n, width) float32
-            part = quant.rotation.apply(qp[..., start: start + width]) @ mx.swapaxes(k_rot, -1, -2)
+            part = self._group_scores(g, quant, quant.rotation.apply(qp[..., start: start + width]), codes)
             s = part if s is None else s + part
         if self.mean is not None:  # q . mu: one number per query row
             s = s + q @ mx.expand_dims(self.mean.astype(mx.float32), -1)[None]
@@ -189,8 +328,7 @@ class LloydMaxCodec(PerTokenLayout):
 
     def weighted_sum(self, p: mx.array, codes: Dict[str, mx.array], packed_rows: Optional[int] = None,
                      with_offset: bool = True) -> mx.array:
-        pieces = [quant.rotation.invert(p @ quant.decode_rotated(self._ev(codes, g)))
-                  for g, _, _, quant in self._groups()]
+        pieces = [quant.rotation.invert(self._group_values(g, quant, p, codes)) for g, _, _, quant in self._groups()]
         o = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=-1)
         if self.inv_perm is not None:
             o = _permute(o, self.inv_perm)
