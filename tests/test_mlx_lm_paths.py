@@ -337,9 +337,24 @@ def stored_layout_bytes(c, B=2, H=2, d=16, n_out=4, k_bits=3, v_bits=2, outlier_
 
 
 # -- batch_generate ---------------------------------------------------------------------------------
-def test_batch_generate_with_our_caches_raises_one_clear_error():
+def test_batch_generate_with_our_prompt_caches_continues_each_sequence():
+    """Per-sequence caches from our make_prompt_cache (each already holding its prompt) merge into one batch and
+    continue exactly as each sequence continued alone. (A batch cache attends only from its codes: without
+    enable(model) or use_packed_attention() it refuses with a clear error.)"""
     model = tiny_model("llama")
     tok = TokenizerWrapper(FakeTokenizer())
-    caches = [vq.make_prompt_cache(model, k_bits=4) for _ in range(2)]
-    with pytest.raises(ValueError, match="batch_generate"):
-        batch_generate(model, tok, [PROMPT[:5], PROMPT[:7]], prompt_caches=caches, max_tokens=2)
+    prompts = [PROMPT[:5], PROMPT[:9]]
+
+    def prefilled(p):
+        cache = vq.make_prompt_cache(model, k_bits=4)
+        mx.eval(model(mx.array([p[:-1]]), cache=cache))
+        return cache
+
+    alone = []
+    for p in prompts:
+        alone.append([t for t, _ in zip((tok for tok, _ in generate_step(mx.array(p[-1:]), model,
+                                                                            prompt_cache=prefilled(p))), range(4))])
+    with vq.use_packed_attention():  # a batch attends only from its codes (enable(model) routes it too)
+        out = batch_generate(model, tok, [p[-1:] for p in prompts], prompt_caches=[prefilled(p) for p in prompts],
+                             max_tokens=4, return_token_ids=True)
+    assert out.token_ids == alone
