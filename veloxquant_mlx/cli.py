@@ -80,6 +80,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .eval.corpus import CORPORA, DEFAULT_CORPUS
+
     p = _Parser(prog="veloxquant", description="TurboQuant KV-cache compression for MLX: demo and evaluation")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
@@ -130,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
         model_opt(q)
         methods_opt(q)
         q.add_argument("--out", help="write the results as JSON")
+        q.add_argument("--corpus", default=DEFAULT_CORPUS, choices=tuple(CORPORA),
+                       help=f"evaluation text (default {DEFAULT_CORPUS}; each installed by scripts/setup.sh)")
         if q is not ep:
             q.set_defaults(plot=None)
 
@@ -360,8 +364,8 @@ def cmd_eval(args) -> int:
     model, tok = _load(args)
     specs = _select_specs(model, args.methods)
     progress = not args.no_progress
-    tokens = corpus_tokens(tok)
-    out = {"kind": args.eval_kind, "model": args.model, "methods": [s.to_dict() for s in specs]}
+    tokens = corpus_tokens(tok, args.corpus)
+    out = {"kind": args.eval_kind, "model": args.model, "corpus": args.corpus, "methods": [s.to_dict() for s in specs]}
     if args.eval_kind == "ppl":
         for c in args.contexts:
             _check_context(model, c, "--contexts")

@@ -103,6 +103,26 @@ CONFIGURATIONS: Dict[str, CacheOptions] = {
     "tq-affine-k8v8": _tq("turboquant_mse", 8, 8, "affine_block"),
 }
 
+# The budget configurations of issue 16: the best measured configuration within each bit budget (bits per
+# coordinate averaged over K and V, every stored byte counted, at 2048 and 4096 tokens; BENCHMARKS.md has the
+# measurements and the levers tried). Keys and values per rotated channel over 128-token blocks (0.25 bit of
+# float16 scale and bias), no exact tokens (trim_headroom=0: a block is coded as soon as it is complete, so at a
+# multiple of 128 tokens nothing is held exact), no centring (the per-channel biases absorb the means; storing
+# them would cost 0.016 bit at 2048).
+BUDGET_CONFIGURATIONS: Dict[str, float] = {"tq-4b": 4.25, "tq-3b": 3.25, "tq-2b": 2.25}
+
+
+def _budget(k_bits, v_bits) -> CacheOptions:
+    return CacheOptions(codec="affine_block_kv", k_bits=k_bits, v_bits=v_bits, group_size=128, trim_headroom=0,
+                        center_keys=False, center_values=False)
+
+
+CONFIGURATIONS.update({
+    "tq-4b": _budget(4, 4),
+    "tq-3b": _budget(3, 3),
+    "tq-2b": _budget(2, 2),
+})
+
 
 def options_extra(options: CacheOptions) -> Dict[str, object]:
     """The options that differ from `CacheOptions`' defaults (what ``--method NAME`` sets)."""

@@ -1,0 +1,59 @@
+"""``affine_block_kv``: keys AND values stored transposed, each rotated channel quantized along blocks of tokens.
+
+The layout of :mod:`~veloxquant_mlx.codecs.affine_block` (``X^T`` codes, one scale and bias per channel per
+block of tokens, tokens last), used for values too, with blocks that need not divide the head dim:
+
+    w_q ``(B, H, d, n*bits/32)`` uint32, scales / biases ``(B, H, d, n/block)``      (token axis LAST)
+
+Why: per-token codes pay one float16 scale and bias per 64 coordinates (0.5 bit); per channel over 128-token
+blocks (``group_size=128``) pay 0.25 bit, which is what fits 4-bit keys and values in 4.25 bits per coordinate (and 2-bit in 2.25).
+Attention stays on the codes: scores are ``mx.quantized_matmul(q Pi^T, K^T codes, transpose=False)`` (as in
+``affine_block``) and values ``mx.quantized_matmul(p, V^T codes, transpose=True)`` = ``p @ V`` in the rotated
+domain, rotated back once per output row.
+
+A cache codes whole blocks only (``token_block``); the remainder waits exact in the cache's tail.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import mlx.core as mx
+
+from veloxquant_mlx.codecs._common import f32, packed_matmul_ok
+from veloxquant_mlx.codecs.affine import AFFINE_GROUP_SIZES, AffineRotatedCodec
+from veloxquant_mlx.codecs.affine_block import AffineBlockKeyCodec
+from veloxquant_mlx.validate import check_int
+
+DEFAULT_BLOCK = 64
+# Query rows per KV head above which decoding once + BLAS beats the quantized matmul for values on CPU
+# (the transpose=True form, as affine's scores).
+CPU_PACKED_ROWS_VALUES = 12
+
+
+class AffineBlockKVCodec(AffineBlockKeyCodec):
+    """``X^T`` codes per rotated channel over blocks of ``block`` tokens (32, 64 or 128; default 64), for keys and
+    for values; ``d`` need not be a multiple of ``block`` (but is one the rotation's affine parent accepts)."""
+
+    def __init__(self, d: int, bits: int, block: Optional[int] = None, **kwargs):
+        block = DEFAULT_BLOCK if block is None else check_int("group_size", block)
+        if block not in AFFINE_GROUP_SIZES:
+            raise ValueError(f"group_size (tokens per block) must be one of {AFFINE_GROUP_SIZES} (mx.quantize "
+                             f"groups), got {block}")
+        AffineRotatedCodec.__init__(self, d, bits, None, **kwargs)  # groups run along tokens, never along d
+        self.block = self.group_size = block
+
+    def bytes_per_token_head(self) -> float:
+        """Stored bytes per token per head: codes plus a scale and a bias per channel per block."""
+        itemsize = 4 if self.scale_dtype == mx.float32 else 2
+        return self.d * self.bits / 8 + 2 * self.d * itemsize / self.block
+
+    def weighted_sum(self, p: mx.array, codes: Dict[str, mx.array], packed_rows: Optional[int] = None,
+                     with_offset: bool = True) -> mx.array:
+        """``p (B, H, M, n) @ decode(codes)`` -> ``(B, H, M, d)``; the mean is in the biases (no offset term)."""
+        if packed_matmul_ok(p.shape[2], packed_rows, CPU_PACKED_ROWS_VALUES):
+            # V^T quantized along tokens: p @ V = p @ (V^T)^T, the transpose=True form.
+            o_rot = f32(mx.quantized_matmul(p, codes["w_q"], codes["scales"], codes["biases"], transpose=True,
+                                            group_size=self.block, bits=self.bits))
+        else:
+            o_rot = p @ self.decode_rotated(codes)
+        return self.rotation.invert(o_rot)
