@@ -111,6 +111,13 @@ OURS = {
                           center_keys=False, center_values=False),
     "bkv-k2v2-g128": dict(k_bits=2, v_bits=2, codec="affine_block_kv", group_size=128, trim_headroom=0,
                           center_keys=False, center_values=False),
+    # "mse" = affine_block_kv_mse: each group's range clipped to the least-squared-error fraction of its min-max.
+    "mse-k4v4-g128": dict(k_bits=4, v_bits=4, codec="affine_block_kv_mse", group_size=128, trim_headroom=0,
+                          center_keys=False, center_values=False),
+    "mse-k3v3-g128": dict(k_bits=3, v_bits=3, codec="affine_block_kv_mse", group_size=128, trim_headroom=0,
+                          center_keys=False, center_values=False),
+    "mse-k2v2-g128": dict(k_bits=2, v_bits=2, codec="affine_block_kv_mse", group_size=128, trim_headroom=0,
+                          center_keys=False, center_values=False),
     # The seed's cache: two b-bit RVQ key streams, float16 values.
     "seed-rvq-b1": dict(kind="rvq", k_bits=1),
     "seed-rvq-b2": dict(kind="rvq", k_bits=2),

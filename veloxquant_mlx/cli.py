@@ -405,11 +405,15 @@ def _measured(head_dim: int, kv_heads: int):
 
 
 def cmd_methods(args) -> int:
+    from .eval.memory import DEFAULT_CONTEXT
+
     rows = [[s.name, s.family, "-" if s.bits is None else f"{s.bits:g}", f"{m['bytes_per_token_per_layer']:.1f}",
              f"{m['bits_per_coordinate']:.3f}", s.description]
             for s, m in _measured(args.head_dim, args.kv_heads)]
-    print(f"measured with head_dim={args.head_dim}, kv_heads={args.kv_heads} (random keys/values, 256->512 tokens)")
-    print(_table(["method", "family", "bits", "bytes/token/layer", "bits/coord", "description"], rows))
+    print(f"measured with head_dim={args.head_dim}, kv_heads={args.kv_heads}: every stored byte of one layer holding "
+          f"{DEFAULT_CONTEXT} random tokens (the benchmarks' measurement)")
+    print(_table(["method", "family", "bits", f"bytes/token/layer @{DEFAULT_CONTEXT}", f"bits/coord @{DEFAULT_CONTEXT}",
+                  "description"], rows))
     return 0
 
 
