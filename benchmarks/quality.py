@@ -182,12 +182,14 @@ def main(argv=None):
     ap.add_argument("--out", default="results/quality.json")
     ap.add_argument("--markdown", default=None, help="also write the tables as markdown (BENCHMARKS.md section)")
     ap.add_argument("--plot", default=None, help="also write a PNG: Δppl and KL against bits per coordinate")
-    ap.add_argument("--from-json", default=None, help="no run: write --markdown / --plot from a saved --out file")
+    ap.add_argument("--context-configs", default="", help="a subset of --configs at some contexts, e.g. "
+                    "'4096=kv,tq-4b' (the rest run at every context)")
+    ap.add_argument("--from-json", default=None,
+                    help="no run: write --markdown / --plot from saved --out files (comma list, merged in order)")
     args = ap.parse_args(argv)
 
     if args.from_json:
-        with open(args.from_json) as f:
-            results = json.load(f)
+        results = merge([json.load(open(path)) for path in args.from_json.split(",")])
     else:
         results = run(args)
         save(args.out, results)
@@ -213,19 +215,24 @@ def run(args) -> dict:
     if len(windows) != len(contexts):
         raise SystemExit("--windows needs one value or one per context")
 
+    subsets = {int(c): set(n.split(",")) | {"kv"} for c, n in (x.split("=") for x in args.context_configs.split(";") if x)}
     model, tokenizer = load_model(args.model)
     specs = make_specs(names)
     results = {"model": args.model, "command": " ".join(sys.argv), "configs": {s.name: s.description for s in specs},
-               "contexts": contexts, "windows": windows, "corpora": {}, "needle": None}
+               "corpora": {}, "needle": None}
+    tokens = {c: corpus_tokens(tokenizer, c, min_tokens=max(x * w for x, w in zip(contexts, windows)) + 1)
+              for c in corpora}
     for corpus in corpora:
-        tokens = corpus_tokens(tokenizer, corpus, min_tokens=max(c * w for c, w in zip(contexts, windows)) + 1)
-        per = results["corpora"][corpus] = {"tokens": len(tokens), "ppl": {}}
-        for ctx, nw in zip(contexts, windows):
+        results["corpora"][corpus] = {"tokens": len(tokens[corpus]), "ppl": {}}
+    for ctx, nw in zip(contexts, windows):  # every corpus at one context before the next (longer) context
+        chosen = [s for s in specs if ctx not in subsets or s.name in subsets[ctx]]
+        for corpus in corpora:
             t0 = time.time()
-            reference = next(s for s in specs if s.name == "kv")
-            r = perplexity_eval(model, tokens, specs, context=ctx, n_windows=nw, chunk=args.chunk,
+            reference = next(s for s in chosen if s.name == "kv")
+            r = perplexity_eval(model, tokens[corpus], chosen, context=ctx, n_windows=nw, chunk=args.chunk,
                                 reference=reference, progress=False)
-            per["ppl"][str(ctx)] = r  # r[name]["memory"]: stored bytes after the window (eval.memory.cache_memory)
+            # r[name]["memory"]: every stored byte after the window (veloxquant_mlx.eval.memory.cache_memory)
+            results["corpora"][corpus]["ppl"][str(ctx)] = r
             print(f"[{corpus}, context {ctx}, {nw} window(s): {time.time() - t0:.0f} s]", file=sys.stderr)
             save(args.out, results)  # keep what is measured even if a later stage is interrupted
 
@@ -240,12 +247,30 @@ def run(args) -> dict:
     return results
 
 
+def merge(runs):
+    """Several saved runs as one: their contexts and passkey results side by side (later runs win)."""
+    out = {"model": runs[0]["model"], "command": " ; ".join(r.get("command", "") for r in runs), "configs": {},
+           "corpora": {}, "needle": None}
+    for r in runs:
+        out["configs"].update(r["configs"])
+        for corpus, per in r["corpora"].items():
+            dst = out["corpora"].setdefault(corpus, {"tokens": per["tokens"], "ppl": {}})
+            dst["ppl"].update(per["ppl"])
+        if r.get("needle"):
+            if out["needle"] is None:
+                out["needle"] = {"corpus": r["needle"]["corpus"], "lengths": [], "results": {}}
+            out["needle"]["lengths"] = sorted(set(out["needle"]["lengths"]) | set(r["needle"]["lengths"]))
+            out["needle"]["results"].update(r["needle"]["results"])
+    return out
+
+
 def rows_of(results):
-    """(corpus, config, {context: row}) in run order; row = perplexity_eval's dict of that config."""
+    """(corpus, config, {context: row}) in run order; row = perplexity_eval's dict of that config (the contexts
+    it ran at)."""
     for corpus, per in results["corpora"].items():
-        names = list(next(iter(per["ppl"].values())))
+        names = list(dict.fromkeys(n for c in sorted(per["ppl"], key=int) for n in per["ppl"][c]))
         for name in names:
-            yield corpus, name, {int(c): per["ppl"][c][name] for c in per["ppl"]}
+            yield corpus, name, {int(c): per["ppl"][c][name] for c in per["ppl"] if name in per["ppl"][c]}
 
 
 def needle_of(results, name):
@@ -282,8 +307,7 @@ def markdown(results, args) -> str:
     for corpus, per in results["corpora"].items():
         ctxs = sorted(int(c) for c in per["ppl"])
         out.append(f"**{corpus}** ({per['tokens']:,} tokens; windows per context: "
-                   + ", ".join(f"{c}: {per['ppl'][str(c)][next(iter(per['ppl'][str(c)]))]['windows']}" for c in ctxs)
-                   + ")\n")
+                   + ", ".join(f"{c}: {per['ppl'][str(c)]['kv']['windows']}" for c in ctxs) + ")\n")
         head = ["method"] + [f"{k} @{c}" for c in ctxs for k in ("bits", "ppl", "Δppl", "KL", "top-1")]
         head += ["passkey", "budget", "targets met"]
         out.append("| " + " | ".join(head) + " |")
@@ -294,9 +318,9 @@ def markdown(results, args) -> str:
             bits, budget, met = row_verdict(results, name, by_ctx)
             cells = [name]
             for c in ctxs:
-                r = by_ctx[c]
-                cells += [f"{r['memory']['bits_per_coordinate']:.2f}", f"{r['ppl']:.3f}", f"{pct(r):+.2f} %",
-                          f"{r['kl']:.4f}", f"{r['top1']:.3f}"]
+                r = by_ctx.get(c)
+                cells += ([f"{r['memory']['bits_per_coordinate']:.2f}", f"{r['ppl']:.3f}", f"{pct(r):+.2f} %",
+                           f"{r['kl']:.4f}", f"{r['top1']:.3f}"] if r else ["not run"] + [""] * 4)
             n = needle_of(results, name)
             cells += [f"{n['passed']}/{n['total']}" if n else "not run", budget,
                       "-" if met is None else ("yes" if met else "no")]
