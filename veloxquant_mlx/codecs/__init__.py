@@ -11,7 +11,7 @@ from typing import Dict
 
 from veloxquant_mlx.codecs.affine import AffineRotatedCodec
 from veloxquant_mlx.codecs.affine_block import AffineBlockKeyCodec
-from veloxquant_mlx.codecs.affine_block_kv import AffineBlockKVCodec, AffineBlockKVMSECodec
+from veloxquant_mlx.codecs.affine_block_kv import AffineBlockKVCodec, AffineBlockKVMSECodec, LloydMaxValueCodec
 from veloxquant_mlx.codecs.contract import Codec, check_codec
 from veloxquant_mlx.codecs.float16 import Float16Codec
 from veloxquant_mlx.codecs.lloyd_max import LloydMaxCodec
@@ -38,6 +38,7 @@ CODECS: Dict[str, CodecLayout] = {
     "float16": CodecLayout(Float16Codec, Float16Codec),
     "affine_block_kv": CodecLayout(AffineBlockKVCodec, AffineBlockKVCodec),
     "affine_block_kv_mse": CodecLayout(AffineBlockKVMSECodec, AffineBlockKVMSECodec),
+    "kblock_vlloyd": CodecLayout(AffineBlockKVMSECodec, LloydMaxValueCodec),
 }
 
 
@@ -48,4 +49,4 @@ def codec_layout(name: str) -> CodecLayout:
 
 
 __all__ = ["AffineBlockKVCodec", "AffineBlockKVMSECodec", "AffineBlockKeyCodec", "AffineRotatedCodec", "CODECS", "Codec", "CodecLayout", "Float16Codec",
-           "LloydMaxCodec", "check_codec", "codec_layout"]
+           "LloydMaxCodec", "LloydMaxValueCodec", "check_codec", "codec_layout"]
