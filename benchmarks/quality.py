@@ -212,10 +212,10 @@ def run(args) -> dict:
     if "kv" not in names:
         names.insert(0, "kv")
     corpora = [c for c in args.corpora.split(",") if c]
-    contexts = [int(c) for c in args.contexts.split(",")]
+    contexts = [int(c) for c in args.contexts.split(",") if c]  # none: the passkey test only
     windows = [int(w) for w in args.windows.split(",")]
     windows = windows * len(contexts) if len(windows) == 1 else windows
-    if len(windows) != len(contexts):
+    if contexts and len(windows) != len(contexts):
         raise SystemExit("--windows needs one value or one per context")
 
     subsets = {int(c): set(n.split(",")) | {"kv"} for c, n in (x.split("=") for x in args.context_configs.split(";") if x)}
@@ -223,9 +223,9 @@ def run(args) -> dict:
     specs = make_specs(names)
     results = {"model": args.model, "command": " ".join(sys.argv), "configs": {s.name: s.description for s in specs},
                "corpora": {}, "needle": None}
-    tokens = {c: corpus_tokens(tokenizer, c, min_tokens=max(x * w for x, w in zip(contexts, windows)) + 1)
-              for c in corpora}
-    for corpus in corpora:
+    tokens = {c: corpus_tokens(tokenizer, c, min_tokens=max([x * w for x, w in zip(contexts, windows)] + [0]) + 1)
+              for c in corpora if contexts}
+    for corpus in tokens:
         results["corpora"][corpus] = {"tokens": len(tokens[corpus]), "ppl": {}}
     for ctx, nw in zip(contexts, windows):  # every corpus at one context before the next (longer) context
         chosen = [s for s in specs if ctx not in subsets or s.name in subsets[ctx]]
