@@ -144,13 +144,15 @@ def compressed_spec(name: str, options: CacheOptions) -> CacheSpec:
     """A `CacheSpec` for compressed caches built from ``options``."""
     # RVQ codes each vector twice (two b-bit streams), so its nominal bits are 2b.
     nominal = 2 * options.k_bits if options.method == "turboquant_rvq" else options.k_bits
-    if options.codec == "lloyd_max":
-        family, what = options.method, options.method
+    if name in BUDGET_CONFIGURATIONS:
+        family = "tq-budget"  # --method tq-budget --bits 3 is tq-3b
+    elif options.codec == "lloyd_max":
+        family = options.method
     else:
-        family, what = "tq-affine", f"rotation + MLX affine codes ({options.codec})"
-    return CacheSpec(name, _compressed_factory(options), family=family, bits=nominal,
-                     description=f"{what}, keys {options.k_bits}-bit, values {options.value_bits}-bit, "
-                                 f"first {options.sink} tokens exact",
+        family = "tq-affine"
+    # every option that differs from CacheOptions' defaults, so `veloxquant methods` shows the whole configuration
+    shown = ", ".join(f"{k}={v}" for k, v in options_extra(options).items())
+    return CacheSpec(name, _compressed_factory(options), family=family, bits=nominal, description=shown,
                      extra=options_extra(options), options=options)
 
 
