@@ -121,6 +121,9 @@ OURS = {
     # "kbl" = kblock_vlloyd: clipped per-channel keys over 128-token blocks, Lloyd-Max values per token.
     **{f"kbl-k{kb}v{vb}": dict(k_bits=kb, v_bits=vb, codec="kblock_vlloyd", group_size=128, trim_headroom=0, center_keys=False,
                                center_values=False) for kb, vb in ((4, 4), (3, 3), (2, 2), (3, 1), (4, 3))},
+    # "kbs" = kblock_vsym: the same keys, symmetric scale-only values per token (attention on codes throughout).
+    **{f"kbs-k{kb}v{vb}": dict(k_bits=kb, v_bits=vb, codec="kblock_vsym", group_size=128, trim_headroom=0,
+                               center_keys=False, center_values=False) for kb, vb in ((4, 4), (3, 3), (2, 2))},
     # The seed's cache: two b-bit RVQ key streams, float16 values.
     "seed-rvq-b1": dict(kind="rvq", k_bits=1),
     "seed-rvq-b2": dict(kind="rvq", k_bits=2),

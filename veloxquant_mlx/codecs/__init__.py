@@ -11,6 +11,7 @@ from typing import Dict
 
 from veloxquant_mlx.codecs.affine import AffineRotatedCodec
 from veloxquant_mlx.codecs.affine_block import AffineBlockKeyCodec
+from veloxquant_mlx.codecs.affine_sym import AffineSymValueCodec
 from veloxquant_mlx.codecs.affine_block_kv import AffineBlockKVCodec, AffineBlockKVMSECodec, LloydMaxValueCodec
 from veloxquant_mlx.codecs.contract import Codec, check_codec
 from veloxquant_mlx.codecs.float16 import Float16Codec
@@ -39,6 +40,7 @@ CODECS: Dict[str, CodecLayout] = {
     "affine_block_kv": CodecLayout(AffineBlockKVCodec, AffineBlockKVCodec),
     "affine_block_kv_mse": CodecLayout(AffineBlockKVMSECodec, AffineBlockKVMSECodec),
     "kblock_vlloyd": CodecLayout(AffineBlockKVMSECodec, LloydMaxValueCodec),
+    "kblock_vsym": CodecLayout(AffineBlockKVMSECodec, AffineSymValueCodec),
 }
 
 
@@ -48,5 +50,5 @@ def codec_layout(name: str) -> CodecLayout:
     return CODECS[name]
 
 
-__all__ = ["AffineBlockKVCodec", "AffineBlockKVMSECodec", "AffineBlockKeyCodec", "AffineRotatedCodec", "CODECS", "Codec", "CodecLayout", "Float16Codec",
+__all__ = ["AffineBlockKVCodec", "AffineSymValueCodec", "AffineBlockKVMSECodec", "AffineBlockKeyCodec", "AffineRotatedCodec", "CODECS", "Codec", "CodecLayout", "Float16Codec",
            "LloydMaxCodec", "LloydMaxValueCodec", "check_codec", "codec_layout"]
