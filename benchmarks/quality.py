@@ -261,7 +261,8 @@ def merge(runs):
         out["configs"].update(r["configs"])
         for corpus, per in r["corpora"].items():
             dst = out["corpora"].setdefault(corpus, {"tokens": per["tokens"], "ppl": {}})
-            dst["ppl"].update(per["ppl"])
+            for ctx, rows in per["ppl"].items():
+                dst["ppl"].setdefault(ctx, {}).update(rows)
         if r.get("needle"):
             if out["needle"] is None:
                 out["needle"] = {"corpus": r["needle"]["corpus"], "lengths": [], "results": {}}
