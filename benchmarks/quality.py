@@ -119,8 +119,8 @@ OURS = {
     "mse-k2v2-g128": dict(k_bits=2, v_bits=2, codec="affine_block_kv_mse", group_size=128, trim_headroom=0,
                           center_keys=False, center_values=False),
     # "kbl" = kblock_vlloyd: clipped per-channel keys over 128-token blocks, Lloyd-Max values per token.
-    **{f"kbl-k{kb}v{vb}": dict(k_bits=kb, v_bits=vb, codec="kblock_vlloyd", group_size=128, trim_headroom=0, center_keys=False,
-                               center_values=False) for kb, vb in ((4, 4), (3, 3), (2, 2), (3, 1), (4, 3))},
+    **{f"kbl-k{kb}v{vb}": dict(k_bits=kb, v_bits=vb, codec="kblock_vlloyd", group_size=128, trim_headroom=0,
+                               center_keys=False, center_values=False) for kb, vb in ((4, 4), (3, 3), (2, 2), (3, 1))},
     # "kbs" = kblock_vsym: the same keys, symmetric scale-only values per token (attention on codes throughout).
     **{f"kbs-k{kb}v{vb}": dict(k_bits=kb, v_bits=vb, codec="kblock_vsym", group_size=128, trim_headroom=0,
                                center_keys=False, center_values=False) for kb, vb in ((4, 4), (3, 3), (2, 2))},
@@ -151,7 +151,8 @@ def make_specs(names):
             specs.append(CacheSpec(name, lambda m, o=opts: vq.make_prompt_cache(m, **o),
                                    "veloxquant", None, json.dumps(opts)))
         else:
-            raise SystemExit(f"unknown config {name!r}; choose from {sorted(base) + sorted(CONFIGURATIONS) + sorted(OURS)}")
+            known = sorted(base) + sorted(CONFIGURATIONS) + sorted(OURS)
+            raise SystemExit(f"unknown config {name!r}; choose from {known}")
     return specs
 
 
@@ -221,7 +222,8 @@ def run(args) -> dict:
     if contexts and len(windows) != len(contexts):
         raise SystemExit("--windows needs one value or one per context")
 
-    subsets = {int(c): set(n.split(",")) | {"kv"} for c, n in (x.split("=") for x in args.context_configs.split(";") if x)}
+    subsets = {int(c): set(n.split(",")) | {"kv"}
+               for c, n in (x.split("=") for x in args.context_configs.split(";") if x)}
     model, tokenizer = load_model(args.model)
     specs = make_specs(names)
     results = {"model": args.model, "command": " ".join(sys.argv), "configs": {s.name: s.description for s in specs},

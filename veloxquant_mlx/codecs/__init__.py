@@ -50,5 +50,6 @@ def codec_layout(name: str) -> CodecLayout:
     return CODECS[name]
 
 
-__all__ = ["AffineBlockKVCodec", "AffineSymValueCodec", "AffineBlockKVMSECodec", "AffineBlockKeyCodec", "AffineRotatedCodec", "CODECS", "Codec", "CodecLayout", "Float16Codec",
+__all__ = ["AffineBlockKVCodec", "AffineBlockKVMSECodec", "AffineBlockKeyCodec", "AffineRotatedCodec",
+           "AffineSymValueCodec", "CODECS", "Codec", "CodecLayout", "Float16Codec",
            "LloydMaxCodec", "LloydMaxValueCodec", "check_codec", "codec_layout"]

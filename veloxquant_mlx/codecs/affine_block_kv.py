@@ -1,26 +1,27 @@
-"""``affine_block_kv``: keys AND values stored transposed, each rotated channel quantized along blocks of tokens.
+"""Per-channel codes over blocks of tokens for keys and values, and the budget layouts built on them.
 
-The layout of :mod:`~veloxquant_mlx.codecs.affine_block` (``X^T`` codes, one scale and bias per channel per
-block of tokens, tokens last), used for values too, with blocks that need not divide the head dim:
+``affine_block_kv`` (`AffineBlockKVCodec`): the layout of :mod:`~veloxquant_mlx.codecs.affine_block` (``X^T``
+codes, one scale and bias per rotated channel per block of tokens, tokens last) for values too, with blocks that
+need not divide the head dim:
 
     w_q ``(B, H, d, n*bits/32)`` uint32, scales / biases ``(B, H, d, n/block)``      (token axis LAST)
 
-Why: per-token codes pay one float16 scale and bias per 64 coordinates (0.5 bit); per channel over 128-token
-blocks (``group_size=128``) pay 0.25 bit, which is what fits 4-bit keys and values in 4.25 bits per coordinate (and 2-bit in 2.25).
-Attention stays on the codes: scores are ``mx.quantized_matmul(q Pi^T, K^T codes, transpose=False)`` (as in
-``affine_block``) and values ``mx.quantized_matmul(p, V^T codes, transpose=True)`` = ``p @ V`` in the rotated
-domain, rotated back once per output row.
+Per-token codes pay a float16 scale and bias per 64 coordinates (0.5 bit); per channel over 128-token blocks
+(``group_size=128``) 0.25 bit. Attention stays on the codes: scores ``mx.quantized_matmul(q Pi^T, K^T codes,
+transpose=False)`` (as ``affine_block``), values ``mx.quantized_matmul(p, V^T codes, transpose=True)`` = ``p @ V``
+in the rotated domain, rotated back once per output row. A cache codes whole blocks only (``token_block``); the
+remainder waits exact in its tail. Measured on SmolLM2 (BENCHMARKS.md), values per channel lose more than values
+per token (KL 0.041 against 0.025 at 4 bits), hence the pairings below.
 
-A cache codes whole blocks only (``token_block``); the remainder waits exact in the cache's tail.
+``affine_block_kv_mse`` (`AffineBlockKVMSECodec`): the same arrays, each group's range clipped to the fraction of
+its min-max range (``CLIP_RATIOS``) with the least squared error: min-max ranges waste levels on the few extreme
+tokens of a block (on Gaussian data 24 % less error at 2 bits, 16 % at 3, 5 % at 4).
 
-``affine_block_kv_mse`` (`AffineBlockKVMSECodec`) stores the same arrays, but each group's range is clipped to
-the fraction of its min-max range (``CLIP_RATIOS``) with the least squared error: min-max ranges waste levels on
-the few extreme tokens of a block (on Gaussian data 24 % less error at 2 bits, 16 % at 3, 5 % at 4).
-
-``kblock_vlloyd`` pairs such keys, over 128-token blocks with ``group_size=128`` (0.25 bit of scales), with
-Lloyd-Max values per token (`LloydMaxValueCodec`) (a bfloat16 norm per vector: 0.25 bit): b-bit keys and values in b + 0.25 bits per
-coordinate. Values per token lose less than values per channel on SmolLM2 (KL 0.025 against 0.041 at 4 bits,
-BENCHMARKS.md); Lloyd-Max values are decoded to be aggregated (slower attention than the affine layouts).
+``kblock_vlloyd`` pairs those keys (``group_size=128``: 0.25 bit) with Lloyd-Max values per token
+(`LloydMaxValueCodec`, a bfloat16 norm per vector: 0.25 bit): b-bit keys and values in b + 0.25 bits per
+coordinate; its values are decoded to be aggregated (slow attention). ``kblock_vsym``
+(:mod:`~veloxquant_mlx.codecs.affine_sym`) pairs them with symmetric scale-only values read by the quantized
+matmul: the same bits and quality, fast attention.
 """
 from __future__ import annotations
 
