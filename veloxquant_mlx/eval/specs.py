@@ -147,14 +147,14 @@ def compressed_spec(name: str, options: CacheOptions) -> CacheSpec:
     # RVQ codes each vector twice (two b-bit streams), so its nominal bits are 2b.
     nominal = 2 * options.k_bits if options.method == "turboquant_rvq" else options.k_bits
     if name in BUDGET_CONFIGURATIONS:
-        family = "tq-budget"  # --method tq-budget --bits 3 is tq-3b
+        family, what = "tq-budget", f"block keys and per-token values ({options.codec})"  # --method tq-budget --bits 3
     elif options.codec == "lloyd_max":
-        family = options.method
+        family, what = options.method, options.method
     else:
-        family = "tq-affine"
+        family, what = "tq-affine", f"rotation + MLX affine codes ({options.codec})"
     # every option that differs from CacheOptions' defaults, so `veloxquant methods` shows the whole configuration
     shown = ", ".join(f"{k}={v}" for k, v in options_extra(options).items())
-    return CacheSpec(name, _compressed_factory(options), family=family, bits=nominal, description=shown,
+    return CacheSpec(name, _compressed_factory(options), family=family, bits=nominal, description=f"{what}; {shown}",
                      extra=options_extra(options), options=options)
 
 
