@@ -269,7 +269,10 @@ def merge(runs):
             if out["needle"] is None:
                 out["needle"] = {"corpus": r["needle"]["corpus"], "lengths": [], "results": {}}
             out["needle"]["lengths"] = sorted(set(out["needle"]["lengths"]) | set(r["needle"]["lengths"]))
-            out["needle"]["results"].update(r["needle"]["results"])
+            for name, n in r["needle"]["results"].items():  # the same config at other lengths: add the cases up
+                acc = out["needle"]["results"].setdefault(name, {"passed": 0, "total": 0})
+                acc["passed"] += n["passed"]
+                acc["total"] += n["total"]
     return out
 
 
