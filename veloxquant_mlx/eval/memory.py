@@ -1,4 +1,12 @@
-"""What caches really store: bytes (``nbytes`` of the stored arrays), bytes per token, bits per coordinate."""
+"""What caches really store: bytes (``nbytes`` of the stored arrays), bytes per token, bits per coordinate.
+
+One measurement of bits per coordinate everywhere: :func:`cache_memory` of the caches holding ``n`` tokens
+(every stored byte: codes, scales, norms, exact sink/tail tokens, fitted means; no spare growth capacity),
+over the ``n * 2 * kv_heads * head_dim`` cached coordinates of each layer. The evaluation reads it from the
+caches after each window; `measure_bytes_per_token` (``veloxquant methods``, the server's start-up log, the
+bit-budget tests) fills a fresh cache with random keys/values to ``context`` tokens and reads the same
+function, so every tool reports the same figure for the same configuration and context.
+"""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -35,16 +43,24 @@ def cache_nbytes(cache) -> int:
     return sum(int(a.nbytes) for _, a in tree_flatten(state) if isinstance(a, mx.array))
 
 
+def stored_nbytes(cache) -> int:
+    """Bytes of the data one layer's cache holds: ``live_nbytes`` where the cache has it (ours: no spare step
+    capacity), else :func:`cache_nbytes` (mlx_lm's caches: exact at multiples of their 256-token step)."""
+    live = getattr(cache, "live_nbytes", None)
+    return int(live) if live is not None else cache_nbytes(cache)
+
+
 def bits_per_coordinate(bytes_per_token_layer: float, kv_heads: int, head_dim: int) -> float:
     """bytes*8 over the 2*kv_heads*head_dim coordinates (keys and values) of one layer-token."""
     return bytes_per_token_layer * 8.0 / (2 * kv_heads * head_dim)
 
 
 def cache_memory(caches: Sequence, n_tokens: int, kv_heads: int, head_dim: int) -> dict:
-    """Stored bytes of a per-layer cache list holding ``n_tokens`` tokens (JSON-ready dict)."""
+    """Stored bytes of a per-layer cache list holding ``n_tokens`` tokens (JSON-ready dict): THE measurement
+    of bits per coordinate (:func:`stored_nbytes` of every layer over its cached K and V coordinates)."""
     if n_tokens <= 0:
         raise ValueError(f"n_tokens must be > 0, got {n_tokens}")
-    per_layer = [cache_nbytes(c) for c in caches]
+    per_layer = [stored_nbytes(c) for c in caches]
     total = sum(per_layer)
     per_tok_layer = total / (n_tokens * max(len(caches), 1))
     return {
@@ -70,46 +86,60 @@ def _stub_model(n_layers: int, kv_heads: int, head_dim: int):
     return SimpleNamespace(layers=[None] * n_layers, args=args, model_type="stub")
 
 
+# The context `veloxquant methods` and the server report bits at (the issue's budgets are set at 2048 and 4096).
+DEFAULT_CONTEXT = 2048
+FILL_CHUNK = 256  # tokens per update_and_fetch, as the evaluation's chunked prefill feeds them
+
+
 def measure_bytes_per_token(
     make_cache,
     kv_heads: int,
     head_dim: int,
     model=None,
-    tokens: Tuple[int, int] = (256, 512),
+    context: int = DEFAULT_CONTEXT,
     seed: int = 0,
+    n_layers: int = 1,
 ) -> dict:
-    """Marginal stored bytes per token of one layer's cache, measured, not computed by formula.
+    """Stored bytes per layer of caches holding ``context`` random tokens, measured, not computed by formula.
 
-    Fills a fresh cache with random keys/values ``(1, kv_heads, n, head_dim)`` to ``tokens[0]``
-    then ``tokens[1]`` tokens and reads ``nbytes`` each time; the difference over the extra tokens
-    is the per-token cost (fixed per-cache state such as rotation matrices cancels out; it is
-    reported as ``fixed_bytes``). Both counts are multiples of mlx_lm's 256-token step.
+    Fills fresh caches (``make_cache(model)``: every layer of ``model``, or of a stub with ``n_layers`` layers, for
+    configurations with bits per layer) with the same random keys/values ``(1, kv_heads, n, head_dim)`` in chunks
+    of 256 tokens and reads
+    :func:`cache_memory` at ``context - 256`` and at ``context`` tokens: ``bits_per_coordinate`` and
+    ``bytes_per_token_per_layer`` are every stored byte at ``context`` tokens (fixed state such as fitted means
+    and exact sink tokens included, as the evaluation counts them); ``marginal_bytes_per_token_per_layer`` is
+    the growth over the last 256 tokens (what a longer context adds per token) and ``fixed_bytes`` the rest.
     """
-    t0, t1 = tokens
-    if not 0 < t0 < t1:
-        raise ValueError(f"tokens must be two increasing positive counts, got {tokens}")
+    from veloxquant_mlx.validate import check_int
+
+    context = check_int("context", context, 2 * FILL_CHUNK)
+    if context % FILL_CHUNK:
+        raise ValueError(f"context must be a multiple of {FILL_CHUNK} (mlx_lm's allocation step), got {context}")
     if model is None:
-        model = _stub_model(1, kv_heads, head_dim)
-    cache = make_cache(model)[0]
-    if hasattr(cache, "fetch_placeholders"):  # no attention runs here: let it decode even while routing is on
-        cache.fetch_placeholders = False
-    key = mx.random.key(seed)
-    k1, k2 = mx.random.split(key)
-    keys = mx.random.normal((1, kv_heads, t1, head_dim), key=k1)
-    values = mx.random.normal((1, kv_heads, t1, head_dim), key=k2)
-    out = cache.update_and_fetch(keys[..., :t0, :], values[..., :t0, :])
-    mx.eval(out)
-    b0 = cache_nbytes(cache)
-    out = cache.update_and_fetch(keys[..., t0:, :], values[..., t0:, :])
-    mx.eval(out)
-    b1 = cache_nbytes(cache)
-    per_token = (b1 - b0) / (t1 - t0)
+        model = _stub_model(n_layers, kv_heads, head_dim)
+    caches = make_cache(model)
+    for c in caches:
+        if hasattr(c, "fetch_placeholders"):  # no attention runs here: let it decode even while routing is on
+            c.fetch_placeholders = False
+    k1, k2 = mx.random.split(mx.random.key(seed))
+    keys = mx.random.normal((1, kv_heads, context, head_dim), key=k1)
+    values = mx.random.normal((1, kv_heads, context, head_dim), key=k2)
+    before = None
+    for s0 in range(0, context, FILL_CHUNK):
+        k, v = keys[..., s0:s0 + FILL_CHUNK, :], values[..., s0:s0 + FILL_CHUNK, :]
+        mx.eval([c.update_and_fetch(k, v) for c in caches])
+        if s0 + FILL_CHUNK == context - FILL_CHUNK:
+            before = cache_memory(caches, context - FILL_CHUNK, kv_heads, head_dim)["bytes_total"] / len(caches)
+    mem = cache_memory(caches, context, kv_heads, head_dim)
+    marginal = (mem["bytes_total"] / len(caches) - before) / FILL_CHUNK
     return {
         "kv_heads": kv_heads,
         "head_dim": head_dim,
-        "bytes_per_token_per_layer": per_token,
-        "fixed_bytes": b1 - per_token * t1,
-        "bits_per_coordinate": bits_per_coordinate(per_token, kv_heads, head_dim),
+        "context": context,
+        "bytes_per_token_per_layer": mem["bytes_per_token_per_layer"],
+        "marginal_bytes_per_token_per_layer": marginal,
+        "fixed_bytes": mem["bytes_total"] / len(caches) - marginal * context,
+        "bits_per_coordinate": mem["bits_per_coordinate"],
     }
 
 

@@ -103,6 +103,29 @@ CONFIGURATIONS: Dict[str, CacheOptions] = {
     "tq-affine-k8v8": _tq("turboquant_mse", 8, 8, "affine_block"),
 }
 
+# The budget configurations of issue 16: the best measured configuration within each bit budget (bits per
+# coordinate averaged over K and V, every stored byte counted, at 2048 and 4096 tokens; BENCHMARKS.md has the
+# measurements and the levers tried). Layout "kblock_vsym": keys per rotated channel over 128-token blocks with
+# least-squared-error clipped ranges (0.25 bit of float16 scale and bias), values per token with symmetric levels
+# and one float16 scale per 64 coordinates (0.25 bit), attention on the codes throughout (the same quality as
+# Lloyd-Max values, "kblock_vlloyd", at 37x less attention time). No exact tokens: trim_headroom=0 codes a block as
+# soon as it is complete, so at a multiple of 128 tokens nothing is held exact (up to 127 newest tokens wait exact
+# in between). No centring: the keys' per-channel biases absorb their means, and storing the means would cost
+# 0.016 bit at 2048 tokens.
+BUDGET_CONFIGURATIONS: Dict[str, float] = {"tq-4b": 4.25, "tq-3b": 3.25, "tq-2b": 2.25}
+
+
+def _budget(bits: int) -> CacheOptions:
+    return CacheOptions(codec="kblock_vsym", k_bits=bits, v_bits=bits, group_size=128, trim_headroom=0,
+                        center_keys=False, center_values=False)
+
+
+CONFIGURATIONS.update({
+    "tq-4b": _budget(4),
+    "tq-3b": _budget(3),
+    "tq-2b": _budget(2),
+})
+
 
 def options_extra(options: CacheOptions) -> Dict[str, object]:
     """The options that differ from `CacheOptions`' defaults (what ``--method NAME`` sets)."""
@@ -123,13 +146,15 @@ def compressed_spec(name: str, options: CacheOptions) -> CacheSpec:
     """A `CacheSpec` for compressed caches built from ``options``."""
     # RVQ codes each vector twice (two b-bit streams), so its nominal bits are 2b.
     nominal = 2 * options.k_bits if options.method == "turboquant_rvq" else options.k_bits
-    if options.codec == "lloyd_max":
+    if name in BUDGET_CONFIGURATIONS:
+        family, what = "tq-budget", f"block keys and per-token values ({options.codec})"  # --method tq-budget --bits 3
+    elif options.codec == "lloyd_max":
         family, what = options.method, options.method
     else:
         family, what = "tq-affine", f"rotation + MLX affine codes ({options.codec})"
-    return CacheSpec(name, _compressed_factory(options), family=family, bits=nominal,
-                     description=f"{what}, keys {options.k_bits}-bit, values {options.value_bits}-bit, "
-                                 f"first {options.sink} tokens exact",
+    # every option that differs from CacheOptions' defaults, so `veloxquant methods` shows the whole configuration
+    shown = ", ".join(f"{k}={v}" for k, v in options_extra(options).items())
+    return CacheSpec(name, _compressed_factory(options), family=family, bits=nominal, description=f"{what}; {shown}",
                      extra=options_extra(options), options=options)
 
 
