@@ -131,13 +131,17 @@ class AffineRotatedCodec(PerTokenLayout):
         near ±65504 can exceed it), so a code never holds inf."""
         return clamp_to(s, self.scale_dtype)
 
-    def decode_rotated(self, codes: Dict[str, mx.array]) -> mx.array:
-        """Stored arrays of n tokens -> float32 ``(B, H, n, d)`` reconstruction of ``Pi (x - mu)``."""
+    def _affine(self, codes: Dict[str, mx.array]):
+        """(w_q, scales, biases) as MLX's affine format reads them (a subclass may derive them from other fields)."""
         missing = [f for f in FIELDS if f not in codes]
         if missing:
             raise ValueError(f"codes must hold {FIELDS}, missing {missing}")
-        return mx.dequantize(codes["w_q"], f32(codes["scales"]), f32(codes["biases"]),
-                             group_size=self.group_size, bits=self.bits)
+        return codes["w_q"], codes["scales"], codes["biases"]
+
+    def decode_rotated(self, codes: Dict[str, mx.array]) -> mx.array:
+        """Stored arrays of n tokens -> float32 ``(B, H, n, d)`` reconstruction of ``Pi (x - mu)``."""
+        w, s, b = self._affine(codes)
+        return mx.dequantize(w, f32(s), f32(b), group_size=self.group_size, bits=self.bits)
 
     def decode(self, codes: Dict[str, mx.array], dtype) -> mx.array:
         xf = self.rotation.invert(self.decode_rotated(codes))
@@ -152,8 +156,8 @@ class AffineRotatedCodec(PerTokenLayout):
     def scores(self, q: mx.array, codes: Dict[str, mx.array], packed_rows: Optional[int] = None) -> mx.array:
         q_rot = self.rotation.apply(q)
         if packed_matmul_ok(q.shape[2], packed_rows, CPU_PACKED_ROWS_SCORES):
-            s = f32(mx.quantized_matmul(q_rot, codes["w_q"], codes["scales"], codes["biases"], transpose=True,
-                                        group_size=self.group_size, bits=self.bits))
+            s = f32(mx.quantized_matmul(q_rot, *self._affine(codes), transpose=True, group_size=self.group_size,
+                                        bits=self.bits))
         else:  # many rows (prefill chunk): dequantize once in the rotated domain, score with BLAS
             s = q_rot @ mx.swapaxes(self.decode_rotated(codes), -1, -2)
         if self.mean is not None:  # q . mu: one number per query row
@@ -163,8 +167,8 @@ class AffineRotatedCodec(PerTokenLayout):
     def weighted_sum(self, p: mx.array, codes: Dict[str, mx.array], packed_rows: Optional[int] = None,
                      with_offset: bool = True) -> mx.array:
         if packed_matmul_ok(p.shape[2], packed_rows, CPU_PACKED_ROWS_VALUES):
-            o_rot = f32(mx.quantized_matmul(p, codes["w_q"], codes["scales"], codes["biases"], transpose=False,
-                                            group_size=self.group_size, bits=self.bits))
+            o_rot = f32(mx.quantized_matmul(p, *self._affine(codes), transpose=False, group_size=self.group_size,
+                                            bits=self.bits))
         else:
             o_rot = p @ self.decode_rotated(codes)
         o = self.rotation.invert(o_rot)

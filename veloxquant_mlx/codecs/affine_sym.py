@@ -22,11 +22,9 @@ from typing import Dict, Optional
 
 import mlx.core as mx
 
-from veloxquant_mlx.codecs._common import f32, packed_matmul_ok
+from veloxquant_mlx.codecs._common import f32
 from veloxquant_mlx.codecs.affine import (
     AFFINE_GROUP_SIZES,
-    CPU_PACKED_ROWS_SCORES,
-    CPU_PACKED_ROWS_VALUES,
     AffineRotatedCodec,
 )
 from veloxquant_mlx.validate import check_heads
@@ -85,30 +83,3 @@ class AffineSymValueCodec(AffineRotatedCodec):
             raise ValueError(f"codes must hold {SYM_FIELDS}, missing {missing}")
         s = f32(codes["scales"])
         return codes["w_q"], s, -self.zero * s
-
-    def decode_rotated(self, codes: Dict[str, mx.array]) -> mx.array:
-        w, s, b = self._affine(codes)
-        return mx.dequantize(w, s, b, group_size=self.group_size, bits=self.bits)
-
-    def scores(self, q: mx.array, codes: Dict[str, mx.array], packed_rows: Optional[int] = None) -> mx.array:
-        q_rot = self.rotation.apply(q)
-        if packed_matmul_ok(q.shape[2], packed_rows, CPU_PACKED_ROWS_SCORES):
-            s = f32(mx.quantized_matmul(q_rot, *self._affine(codes), transpose=True, group_size=self.group_size,
-                                        bits=self.bits))
-        else:
-            s = q_rot @ mx.swapaxes(self.decode_rotated(codes), -1, -2)
-        if self.mean is not None:
-            s = s + q @ mx.expand_dims(self.mean, -1)[None]
-        return s
-
-    def weighted_sum(self, p: mx.array, codes: Dict[str, mx.array], packed_rows: Optional[int] = None,
-                     with_offset: bool = True) -> mx.array:
-        if packed_matmul_ok(p.shape[2], packed_rows, CPU_PACKED_ROWS_VALUES):
-            o_rot = f32(mx.quantized_matmul(p, *self._affine(codes), transpose=False, group_size=self.group_size,
-                                            bits=self.bits))
-        else:
-            o_rot = p @ self.decode_rotated(codes)
-        o = self.rotation.invert(o_rot)
-        if with_offset and self.mean is not None:
-            o = o + mx.sum(p, axis=-1, keepdims=True) * self.mean[None, :, None, :]
-        return o
