@@ -37,6 +37,7 @@ from mlx_lm.models.cache import _BaseCache, dynamic_roll
 
 from veloxquant_mlx.attention import hook as _hook
 from veloxquant_mlx.attention.packed_sdpa import CodedPart, ExactPart, packed_attention
+from veloxquant_mlx.cache._pipeline import PipelineDependency
 from veloxquant_mlx.cache._token_store import TokenStore
 from veloxquant_mlx.codecs import codec_layout
 
@@ -161,7 +162,7 @@ class RowCodes:
         return sum(a.nbytes for a in self.arrays.values())
 
 
-class TurboQuantBatchPackedCache(_BaseCache):
+class TurboQuantBatchPackedCache(PipelineDependency, _BaseCache):
     """A batch of `TurboQuantPackedCache` s (made by ``TurboQuantPackedCache.merge``); see the module docstring.
 
     ``offset`` is the ``(B,)`` int32 array of each sequence's token count (RoPE positions, as mlx_lm's
@@ -191,16 +192,7 @@ class TurboQuantBatchPackedCache(_BaseCache):
         self._pending: Optional[List[int]] = None  # real tokens still to come per row (prepare(lengths=...))
         self._lead: Optional[List[int]] = None  # pad tokens before each row's first one (prepare(left_padding=))
         self._chunk = None  # (T, first real position, real tokens, tokens before) per row, of the last update
-        self._dependency = None
-
-    # pipeline-parallel models set ``cache[-1].keys`` to a dependency (see TurboQuantPackedCache.keys)
-    @property
-    def keys(self):
-        return mx.array(0.0) if self._dependency is None else self._dependency
-
-    @keys.setter
-    def keys(self, value):
-        self._dependency = value
+        self._dependency = None  # mlx_lm's pipeline writes `keys` (PipelineDependency)
 
     @property
     def left_padding(self) -> mx.array:
@@ -353,9 +345,7 @@ class TurboQuantBatchPackedCache(_BaseCache):
         _check_pair(keys, values, *(self.dims or (self.options.head_dim, None)))
         if keys.shape[0] != self.B:
             raise ValueError(f"keys have batch size {keys.shape[0]}, but this cache holds {self.B} sequences")
-        if self._dependency is not None:
-            keys, values = mx.depends([keys, values], [self._dependency])
-            self._dependency = None
+        keys, values = self._after_dependency(keys, values)
         if self.dims is None:
             self._setup(keys.shape[-1], values.shape[-1], keys.shape[1])
         elif keys.shape[1] != self.heads:

@@ -36,6 +36,7 @@ from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from veloxquant_mlx.attention import hook as _hook
 from veloxquant_mlx.attention.packed_sdpa import CodedPart, ExactPart, packed_attention
+from veloxquant_mlx.cache._pipeline import PipelineDependency
 from veloxquant_mlx.cache._token_store import TokenStore
 from veloxquant_mlx.cache.options import CacheOptions
 from veloxquant_mlx.codecs import codec_layout
@@ -67,7 +68,7 @@ def _check_pair(keys, values, k_dim: Optional[int], v_dim: Optional[int]) -> Non
         raise ValueError("keys and values must hold at least one token (T >= 1), got T = 0")
 
 
-class TurboQuantPackedCache(_BaseCache):
+class TurboQuantPackedCache(PipelineDependency, _BaseCache):
     """mlx_lm-compatible KV cache storing keys and values as codes.
 
     Args:
@@ -95,18 +96,7 @@ class TurboQuantPackedCache(_BaseCache):
         self.k_codes = self.v_codes = None  # the codecs' stores, made with the codecs
         self.sink_store = TokenStore(max(1, opts.sink))
         self.tail = TokenStore(max(16, opts.recent + opts.trim_headroom))
-        self._dependency = None  # see `keys`
-
-    # mlx_lm's pipeline-parallel models end a rank's forward pass with ``cache[-1].keys = mx.depends(
-    # cache[-1].keys, h)`` (the send of h must happen before the next step reads this cache): `keys` holds that
-    # dependency and the next update depends on it.
-    @property
-    def keys(self):
-        return mx.array(0.0) if self._dependency is None else self._dependency
-
-    @keys.setter
-    def keys(self, value):
-        self._dependency = value
+        self._dependency = None  # mlx_lm's pipeline writes `keys` (PipelineDependency)
 
     # -- the options, read-only -------------------------------------------------------------------
     k_bits = property(lambda self: self.options.k_bits)
@@ -213,9 +203,7 @@ class TurboQuantPackedCache(_BaseCache):
                 "the caches with veloxquant_mlx.make_prompt_cache(model, ...) (it detects such models) or pass "
                 "fetch_placeholders=False.")
         _check_pair(keys, values, *(self.dims or (self.options.head_dim, None)))
-        if self._dependency is not None:
-            keys, values = mx.depends([keys, values], [self._dependency])
-            self._dependency = None
+        keys, values = self._after_dependency(keys, values)
         if self.dims is None:
             self._setup(keys.shape[-1], values.shape[-1])
         elif tuple(keys.shape[:2]) != self._heads():
