@@ -36,6 +36,7 @@ timed two ways:
 Speeds are medians over the repeats; ratios are against ``kv`` in the same loop.
 
     python benchmarks/e2e_speed.py --out results/e2e_speed.json
+    python benchmarks/e2e_speed.py --prompt 8192 --configs all --fill plain   # decode only: caches filled from the plain one
 """
 from __future__ import annotations
 
@@ -104,6 +105,28 @@ def prefill(model, cache, prompt, chunk):
         logits = model(prompt[:, start : start + chunk], cache=cache)[:, -1]
         mx.eval(logits)
     return logits
+
+
+def fill_from(model, cache, plain_cache):
+    """Fill ``cache`` with the keys/values ``plain_cache`` (mlx_lm ``KVCache`` s) holds: one update per layer, no
+    forward pass. For decode-speed runs at long contexts, where prefilling every config would take hours here;
+    the codes are then of the plain model's keys/values, not of those the config's own prefill would produce.
+    Caches that attend from their codes get one single-query attention call per layer (what a forward pass makes),
+    so they see the update/attention protocol they always see."""
+    import mlx.core as mx
+    import mlx_lm.models.base as mlx_base
+
+    for layer, (c, p) in enumerate(zip(cache, plain_cache)):
+        keys, values = p.keys[..., : p.offset, :], p.values[..., : p.offset, :]
+        k, v = c.update_and_fetch(keys, values)
+        heads = model.layers[layer].self_attn.n_heads
+        q = mx.zeros((keys.shape[0], heads, 1, keys.shape[-1]), keys.dtype)
+        mx.eval(mlx_base.scaled_dot_product_attention(q, k, v, cache=c, scale=keys.shape[-1] ** -0.5, mask=None))
+        mx.eval(c.state)
+
+
+def _num(x, width: int, digits: int, div: float = 1.0) -> str:
+    return "-".rjust(width) if x is None else f"{x / div:{width}.{digits}f}"
 
 
 def decode_step(model, cache, token):
@@ -191,6 +214,9 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0, help="turn order of the interleaved steps")
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"comma list of {CONFIGS} or registered methods, or 'all'")
     ap.add_argument("--loops", default=",".join(LOOPS), help=f"comma list of {LOOPS}")
+    ap.add_argument("--fill", choices=("prefill", "plain"), default="prefill",
+                    help="prefill: every config prefills the prompt itself (timed, peak measured); plain: only kv "
+                         "prefills, every other cache is filled with its keys/values (decode speed only)")
     ap.add_argument("--out", default="results/e2e_speed.json")
     ap.add_argument("--summarize", metavar="JSON", help="print the paired step ratios of a saved run and exit")
     args = ap.parse_args(argv)
@@ -230,6 +256,7 @@ def main(argv=None):
 
     caches, first, prefill_tps, peak, stored = {}, {}, {}, {}, {}
     decode_tps = {(c, lp): [] for c in configs for lp in loops}
+    configs = ["kv"] + [c for c in configs if c != "kv"]  # kv first: --fill plain copies its keys/values
     for c in configs:  # pass 1: prefill, one mlx_lm decode pass, peak memory (this config's cache the only new one)
         gc.collect()
         mx.clear_cache()
@@ -237,16 +264,20 @@ def main(argv=None):
         mx.reset_peak_memory()
         cache = make_cache(c, model)
         with context_for(c):
-            t0 = time.perf_counter()
-            logits = prefill(model, cache, prompt, args.chunk)
-            prefill_tps[c] = prompt.shape[1] / (time.perf_counter() - t0)
-            first[c] = mx.argmax(logits, axis=-1)
+            if args.fill == "plain" and c != "kv":
+                fill_from(model, cache, caches["kv"])
+                prefill_tps[c], first[c] = None, first["kv"]
+            else:
+                t0 = time.perf_counter()
+                logits = prefill(model, cache, prompt, args.chunk)
+                prefill_tps[c] = prompt.shape[1] / (time.perf_counter() - t0)
+                first[c] = mx.argmax(logits, axis=-1)
             if "mlx_lm" in loops:
                 decode_tps[(c, "mlx_lm")].append(decode_mlx_lm(model, cache, first[c], args.decode))
-        peak[c] = mx.get_peak_memory() - others
+        peak[c] = None if args.fill == "plain" and c != "kv" else mx.get_peak_memory() - others
         stored[c] = sum(int(getattr(x, "live_nbytes", x.nbytes)) for x in cache)
         caches[c] = cache
-        print(f"{c:16s} prefill {prefill_tps[c]:7.1f} tok/s  peak {peak[c] / 2**20:7.1f} MiB  "
+        print(f"{c:16s} prefill {_num(prefill_tps[c], 7, 1)} tok/s  peak {_num(peak[c], 7, 1, 2**20)} MiB  "
               + "  ".join(f"decode[{lp}] {v[-1]:6.2f}" for (cc, lp), v in decode_tps.items() if cc == c and v),
               flush=True)
     rng = random.Random(args.seed)
@@ -269,14 +300,18 @@ def main(argv=None):
 
     rows = []
     for c in configs:
-        row = {"config": c, "prefill_tok_s": prefill_tps[c], "prefill_vs_kv": prefill_tps[c] / prefill_tps["kv"],
-               "peak_mib": peak[c] / 2**20, "cache_mib": stored[c] / 2**20}
+        row = {"config": c, "prefill_tok_s": prefill_tps[c],
+               "prefill_vs_kv": None if prefill_tps[c] is None else prefill_tps[c] / prefill_tps["kv"],
+               "peak_mib": None if peak[c] is None else peak[c] / 2**20, "cache_mib": stored[c] / 2**20}
         for lp in loops:
             d, d_kv = statistics.median(decode_tps[(c, lp)]), statistics.median(decode_tps[("kv", lp)])
             row.update({f"decode_{lp}_tok_s": d, f"decode_{lp}_vs_kv": d / d_kv, f"decode_{lp}_runs": decode_tps[(c, lp)]})
         if "step" in loops:
             row["step_seconds"] = step_times[c]
         rows.append(row)
+    if args.fill == "plain":
+        print("\n--fill plain: only kv prefilled the prompt; every other cache holds its keys/values (no prefill speed "
+              "or peak for them)", end="")
     print(f"\nSmolLM2-135M, {args.prompt}-token prompt (chunks of {args.chunk}), decode {args.decode} tokens, "
           f"step: {args.repeats} x {args.decode} interleaved steps (1 / median); mlx_lm: median of {args.repeats} passes; "
           f"peak over prefill + first mlx_lm pass; BLAS {blas_name()}")
@@ -285,13 +320,13 @@ def main(argv=None):
         head += f" {'decode[' + lp + ']':>14s} {'x kv':>6s}"
     print(head + f" {'peak MiB':>9s} {'cache MiB':>9s}")
     for row in rows:
-        line = f"{row['config']:16s} {row['prefill_tok_s']:13.1f} {row['prefill_vs_kv']:6.2f}"
+        line = f"{row['config']:16s} {_num(row['prefill_tok_s'], 13, 1)} {_num(row['prefill_vs_kv'], 6, 2)}"
         for lp in loops:
             line += f" {row[f'decode_{lp}_tok_s']:14.2f} {row[f'decode_{lp}_vs_kv']:6.2f}"
-        print(line + f" {row['peak_mib']:9.1f} {row['cache_mib']:9.2f}")
+        print(line + f" {_num(row['peak_mib'], 9, 1)} {row['cache_mib']:9.2f}")
     if "step" in loops:
         print_paired(rows)
-    out = {"model": args.model, "prompt": args.prompt, "chunk": args.chunk, "decode": args.decode,
+    out = {"model": args.model, "prompt": args.prompt, "chunk": args.chunk, "decode": args.decode, "fill": args.fill,
            "repeats": args.repeats, "loops": loops, "blas": blas_name(), "rows": rows}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:

@@ -81,12 +81,50 @@ def config_line(make_cache, kv_heads: int, head_dim: int, n_layers: int, start: 
     return fixed * n_layers, bpt * n_layers, ripple * n_layers
 
 
-def run(args) -> dict:
+def _generate(model, tok, ids, cache, tokens: int, every: int, model_bytes: int) -> list:
+    """``tokens`` tokens through ``stream_generate`` (end of sequence masked) with ``cache``; a sample every ``every``."""
     import mlx.core as mx
-    from mlx.utils import tree_flatten
     from mlx_lm import stream_generate
 
     from veloxquant_mlx.attention import use_packed_attention
+
+    eos = sorted(set(getattr(tok, "eos_token_ids", None) or []))
+    eos_idx = mx.array(eos, dtype=mx.int32) if eos else None
+
+    def no_eos(tokens, logits):  # exactly --tokens tokens: the model may not stop early
+        if eos_idx is None:
+            return logits
+        logits[..., eos_idx] = -float("inf")
+        return logits
+
+    mx.clear_cache()
+    samples = []
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    n = 0
+    held_max = 0  # the most KV bytes held at any token of the current window (before a block is coded)
+    with use_packed_attention():
+        for resp in stream_generate(model, tok, ids, max_tokens=tokens, prompt_cache=cache,
+                                    prefill_step_size=256, logits_processors=[no_eos]):
+            n += 1
+            held, live = _kv_bytes(cache)
+            held_max = max(held_max, held)
+            if n % every == 0 or n == tokens:
+                peak = mx.get_peak_memory()
+                mx.reset_peak_memory()
+                samples.append({
+                    "generated": n, "tokens_in_cache": int(cache[0].offset), "kv_bytes": held,
+                    "kv_window_max_bytes": held_max,
+                    "kv_live_bytes": live, "peak_bytes": int(peak), "peak_minus_model": int(peak - model_bytes),
+                    "elapsed_s": round(time.perf_counter() - t0, 2),
+                })
+                held_max = held
+    return samples
+
+
+def run(args) -> dict:
+    from mlx.utils import tree_flatten
+
     from veloxquant_mlx.cli import _chat_ids
     from veloxquant_mlx.eval.memory import model_kv_shape
     from veloxquant_mlx.eval.specs import resolve_spec
@@ -100,38 +138,15 @@ def run(args) -> dict:
     fixed, bytes_per_token, ripple = config_line(spec.make_cache, kv_heads, head_dim, n_layers)
     model_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     ids = _chat_ids(tok, args.prompt)
-    eos = sorted(set(getattr(tok, "eos_token_ids", None) or []))
-    eos_idx = mx.array(eos, dtype=mx.int32) if eos else None
+    samples = _generate(model, tok, ids, spec.make_cache(model), args.tokens, args.every, model_bytes)
+    reference = []
+    if args.reference_tokens:  # the same loop with mlx_lm's plain cache: what the loop itself needs
+        from mlx_lm.models.cache import KVCache
 
-    def no_eos(tokens, logits):  # exactly --tokens tokens: the model may not stop early
-        if eos_idx is None:
-            return logits
-        logits[..., eos_idx] = -float("inf")
-        return logits
-
-    mx.clear_cache()
-    cache = spec.make_cache(model)
-    samples = []
-    mx.reset_peak_memory()
-    t0 = time.perf_counter()
-    n = 0
-    held_max = 0  # the most KV bytes held at any token of the current window (before a block is coded)
-    with use_packed_attention():
-        for resp in stream_generate(model, tok, ids, max_tokens=args.tokens, prompt_cache=cache,
-                                    prefill_step_size=256, logits_processors=[no_eos]):
-            n += 1
-            held, live = _kv_bytes(cache)
-            held_max = max(held_max, held)
-            if n % args.every == 0 or n == args.tokens:
-                peak = mx.get_peak_memory()
-                mx.reset_peak_memory()
-                samples.append({
-                    "generated": n, "tokens_in_cache": int(cache[0].offset), "kv_bytes": held,
-                    "kv_window_max_bytes": held_max,
-                    "kv_live_bytes": live, "peak_bytes": int(peak), "peak_minus_model": int(peak - model_bytes),
-                    "elapsed_s": round(time.perf_counter() - t0, 2),
-                })
-                held_max = held
+        reference = _generate(model, tok, ids, [KVCache() for _ in model.layers], min(args.reference_tokens, args.tokens),
+                              args.every, model_bytes)
+        for s in reference:
+            s["transient_bytes"] = s["peak_minus_model"] - s["kv_window_max_bytes"]
     xs = [s["tokens_in_cache"] for s in samples]
     ys = [s["kv_live_bytes"] for s in samples]
     for s_ in samples:
@@ -162,8 +177,9 @@ def run(args) -> dict:
             "peak_within_tolerance_every_sample": all(s["peak_ok"] for s in samples),
             "slope_tol": args.slope_tol, "fit_tol": args.fit_tol, "peak_tol": args.peak_tol,
         },
-        "decode_tokens_per_s": n / max(time.perf_counter() - t0, 1e-9),
+        "decode_tokens_per_s": samples[-1]["generated"] / max(samples[-1]["elapsed_s"], 1e-9),
         "samples": samples,
+        "reference_plain_kvcache": reference,
     }
 
 
@@ -190,6 +206,18 @@ def _print(r: dict) -> None:
           f"(allowed {c['slope_tol']:.0%} + {f['slope_allowance_from_ripple']:.1f} B/token from the ripple)")
     print(f"peak minus model within {c['peak_tol']:.0%} of the KV bytes at every sample: "
           f"{'yes' if c['peak_within_tolerance_every_sample'] else 'NO'}; decode {r['decode_tokens_per_s']:.1f} tok/s")
+    if r["reference_plain_kvcache"]:
+        ours = {s["generated"]: s for s in r["samples"]}
+        print("the same loop with mlx_lm's plain KVCache (model dtype): peak - model - most KV held in the window")
+        print("generated  plain KV MiB (window max)  plain transient MiB  ours transient MiB  ours KV MiB (window max)  "
+              "plain transient / ours KV")
+        for s in r["reference_plain_kvcache"]:
+            o = ours.get(s["generated"])
+            if o is None:
+                continue
+            print(f"{s['generated']:9d}  {s['kv_window_max_bytes'] / mib:24.2f}  {s['transient_bytes'] / mib:19.2f}  "
+                  f"{o['transient_bytes'] / mib:18.2f}  {o['kv_window_max_bytes'] / mib:24.2f}  "
+                  f"{s['transient_bytes'] / o['kv_window_max_bytes']:25.3f}")
 
 
 def main(argv=None) -> int:
@@ -207,10 +235,12 @@ def main(argv=None) -> int:
     p.add_argument("--slope-tol", type=float, default=0.01)
     p.add_argument("--fit-tol", type=float, default=0.01)
     p.add_argument("--peak-tol", type=float, default=0.10)
+    p.add_argument("--reference-tokens", type=int, default=0,
+                   help="also run this many tokens with mlx_lm's plain KVCache in the same loop (its own overhead)")
     p.add_argument("--out", default=None, help="write the results as JSON")
     args = p.parse_args(argv)
-    if args.tokens < 1 or args.every < 1:
-        p.error("--tokens and --every must be >= 1")
+    if args.tokens < 1 or args.every < 1 or args.reference_tokens < 0:
+        p.error("--tokens and --every must be >= 1, --reference-tokens >= 0")
     if args.out:  # fail before the run, not after it
         d = os.path.dirname(os.path.abspath(args.out))
         os.makedirs(d, exist_ok=True)
