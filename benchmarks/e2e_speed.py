@@ -107,7 +107,7 @@ def prefill(model, cache, prompt, chunk):
     return logits
 
 
-def fill_from(model, cache, plain_cache):
+def fill_from(cache, plain_cache):
     """Fill ``cache`` with the keys/values ``plain_cache`` (mlx_lm ``KVCache`` s) holds: one update per layer, no
     forward pass. For decode-speed runs at long contexts, where prefilling every config would take hours here;
     the codes are then of the plain model's keys/values, not of those the config's own prefill would produce.
@@ -116,11 +116,10 @@ def fill_from(model, cache, plain_cache):
     import mlx.core as mx
     import mlx_lm.models.base as mlx_base
 
-    for layer, (c, p) in enumerate(zip(cache, plain_cache)):
+    for c, p in zip(cache, plain_cache):
         keys, values = p.keys[..., : p.offset, :], p.values[..., : p.offset, :]
         k, v = c.update_and_fetch(keys, values)
-        heads = model.layers[layer].self_attn.n_heads
-        q = mx.zeros((keys.shape[0], heads, 1, keys.shape[-1]), keys.dtype)
+        q = mx.zeros((keys.shape[0], keys.shape[1], 1, keys.shape[-1]), keys.dtype)  # one query per KV head
         mx.eval(mlx_base.scaled_dot_product_attention(q, k, v, cache=c, scale=keys.shape[-1] ** -0.5, mask=None))
         mx.eval(c.state)
 
@@ -265,7 +264,7 @@ def main(argv=None):
         cache = make_cache(c, model)
         with context_for(c):
             if args.fill == "plain" and c != "kv":
-                fill_from(model, cache, caches["kv"])
+                fill_from(cache, caches["kv"])
                 prefill_tps[c], first[c] = None, first["kv"]
             else:
                 t0 = time.perf_counter()

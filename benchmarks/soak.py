@@ -27,6 +27,9 @@ and checks
    held (default 10 %), the most held at any token since the previous sample (the peak comes while the exact
    tail is full, just before its block is coded; the sample itself may fall just after).
 
+With ``--reference-tokens N`` the same loop then runs N tokens with mlx_lm's plain ``KVCache`` and prints its
+peak minus model minus KV at the same samples: the loop's own overhead, for scale (not checked).
+
 Prints a table and writes JSON (``--out``). Exit code 1 when a check fails.
 
     python benchmarks/soak.py --method tq-affine-k4v4 --tokens 10000 --out results/soak.json
