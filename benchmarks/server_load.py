@@ -3,8 +3,11 @@
 Every configuration gets a server in this process on 127.0.0.1 (a free port; loopback only); all of them
 start first and get one warm-up request, then, for each ``--concurrency`` level (default 1, 4, 8, 16), each
 server in turn answers ``max(--min-requests, level * --requests-per-client)`` chat completions sent by that many
-client threads (interleaved, so a change in the machine's load hits every configuration alike). Bounded: every
-request has a timeout and the whole run stops at ``--max-seconds``.
+client threads (interleaved, so a change in the machine's load hits every configuration alike). ``--rounds R``
+repeats that R times per level, the order of the servers reversed every other round; each round's ratio to the
+plain batched server is reported (median and range over rounds) beside the pooled figures, because one cell at one
+client moves by ±15 % between runs on an idle 2-core machine. Bounded: every request has a timeout and the whole
+run stops at ``--max-seconds``.
 
     python benchmarks/server_load.py --min-requests 4 --max-tokens 8 --context-tokens 200 --out load.json
 
@@ -123,6 +126,7 @@ def run_cell(label, handle, n_requests, concurrency, max_tokens, context, deadli
         "wall_s": wall,
         "requests_per_s": len(results) / wall if wall > 0 else 0.0,
         "completion_tokens_per_s": completion / wall if wall > 0 else 0.0,
+        "latencies_s": lat,
         "latency_p50_s": statistics.median(lat) if lat else None,
         "latency_p95_s": lat[min(len(lat) - 1, int(0.95 * len(lat)))] if lat else None,
         "prompt_tokens": prompt,
@@ -131,6 +135,43 @@ def run_cell(label, handle, n_requests, concurrency, max_tokens, context, deadli
         "kv_bits_per_coordinate": fp["bits_per_coordinate"],
         "prompt_cache_mib": handle.response_generator.prompt_cache.nbytes / 2**20,
     }
+
+
+def pool(cells):
+    """One row per (config, clients) from its cells (one per round): requests and wall time summed, latencies
+    pooled, and each round's requests/s over the plain batched server's in the same round (``round_ratios``)."""
+    plain = DEFAULT_CONFIGS[0][0]
+    by_key = {}
+    for c in cells:
+        by_key.setdefault((c["config"], c["concurrency"]), []).append(c)
+    rows = []
+    for (config, level), group in by_key.items():
+        wall = sum(c["wall_s"] for c in group)
+        ok = sum(c["requests_ok"] for c in group)
+        lat = sorted(x for c in group for x in c["latencies_s"])
+        base = {c["round"]: c for c in by_key.get((plain, level), [])}
+        ratios = [c["requests_per_s"] / base[c["round"]]["requests_per_s"] for c in group
+                  if c["round"] in base and base[c["round"]]["requests_per_s"] > 0]
+        row = {k: group[0][k] for k in ("config", "concurrency", "batching", "kv_bytes_per_token",
+                                         "kv_bits_per_coordinate")}
+        row.update({
+            "rounds": len(group),
+            "requests_ok": ok,
+            "errors": sum(c["errors"] for c in group),
+            "first_error": next((c["first_error"] for c in group if c["first_error"]), None),
+            "wall_s": wall,
+            "requests_per_s": ok / wall if wall > 0 else 0.0,
+            "completion_tokens_per_s": sum(c["completion_tokens_per_s"] * c["wall_s"] for c in group) / wall
+            if wall > 0 else 0.0,
+            "latency_p50_s": statistics.median(lat) if lat else None,
+            "latency_p95_s": lat[min(len(lat) - 1, int(0.95 * len(lat)))] if lat else None,
+            "prompt_tokens": sum(c["prompt_tokens"] for c in group),
+            "cached_prompt_tokens": sum(c["cached_prompt_tokens"] for c in group),
+            "prompt_cache_mib": group[-1]["prompt_cache_mib"],
+            "round_ratios": ratios,
+        })
+        rows.append(row)
+    return rows
 
 
 def capacity(model, tokens: int, budget_bytes: float, seed: int = 0):
@@ -164,15 +205,23 @@ def capacity(model, tokens: int, budget_bytes: float, seed: int = 0):
     return rows
 
 
+def _ratio_range(ratios) -> str:
+    if len(ratios) < 2:
+        return "-"
+    return f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}, {max(ratios):.2f}]"
+
+
 def _table(rows):
-    head = "| config | clients | batched | ok/err | req/s | vs plain batched | tok/s | p50 s | p95 s | cached/prompt tok |"
-    lines = [head, "|" + "---|" * 10]
+    head = ("| config | clients | batched | ok/err | req/s | vs plain batched | per round: median [min, max] | tok/s "
+            "| p50 s | p95 s | cached/prompt tok |")
+    lines = [head, "|" + "---|" * 11]
     plain = {r["concurrency"]: r["requests_per_s"] for r in rows if r["config"] == DEFAULT_CONFIGS[0][0]}
     for r in sorted(rows, key=lambda r: (r["concurrency"], r["config"])):
         ratio = r["requests_per_s"] / plain[r["concurrency"]] if plain.get(r["concurrency"]) else float("nan")
         lines.append(
             f"| {r['config']} | {r['concurrency']} | {'yes' if r['batching'] else 'no'} | {r['requests_ok']}/"
-            f"{r['errors']} | {r['requests_per_s']:.2f} | {ratio:.2f}x | {r['completion_tokens_per_s']:.1f} "
+            f"{r['errors']} | {r['requests_per_s']:.2f} | {ratio:.2f}x | {_ratio_range(r['round_ratios'])} "
+            f"| {r['completion_tokens_per_s']:.1f} "
             f"| {r['latency_p50_s'] or float('nan'):.2f} | {r['latency_p95_s'] or float('nan'):.2f} "
             f"| {r['cached_prompt_tokens']}/{r['prompt_tokens']} |"
         )
@@ -209,11 +258,13 @@ def main(argv=None) -> int:
                    help="run only configurations whose label contains this text (repeatable)")
     p.add_argument("--capacity-tokens", type=int, default=4096, help="sequence length of the memory table")
     p.add_argument("--budget-gib", type=float, default=1.0, help="KV budget of the memory table (GiB)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="cells per configuration and level, the servers' order reversed every other round (default 1)")
     p.add_argument("--max-seconds", type=float, default=900.0, help="stop sending after this long in all")
     p.add_argument("--timeout", type=float, default=120.0, help="per-request timeout in seconds")
     p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     a = p.parse_args(argv)
-    for name in ("min_requests", "requests_per_client", "max_tokens", "capacity_tokens"):
+    for name in ("min_requests", "requests_per_client", "max_tokens", "capacity_tokens", "rounds"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if any(c < 1 for c in a.concurrency) or not a.budget_gib > 0:
@@ -227,7 +278,7 @@ def main(argv=None) -> int:
     configs = [c for c in DEFAULT_CONFIGS if not a.only or any(o in c[0] for o in a.only)]
     cap = capacity(model, a.capacity_tokens, a.budget_gib * 2**30)  # first: serving threads own MLX streams
     deadline = time.monotonic() + a.max_seconds
-    rows, handles = [], {}
+    cells, handles = [], {}
     try:
         for label, serve_args in configs:
             print(f"starting {label} ...", file=sys.stderr, flush=True)
@@ -235,23 +286,28 @@ def main(argv=None) -> int:
             run_cell(label, handles[label], 1, 1, a.max_tokens, context, deadline, a.timeout)  # warm-up
         for level in a.concurrency:
             n = max(a.min_requests, level * a.requests_per_client)
-            for label, _ in configs:
-                if time.monotonic() >= deadline:
-                    print(f"skipped {label} at {level} clients: --max-seconds reached", file=sys.stderr)
-                    continue
-                print(f"{label}: {n} requests from {level} clients ...", file=sys.stderr, flush=True)
-                rows.append(run_cell(label, handles[label], n, level, a.max_tokens, context, deadline, a.timeout))
+            for r in range(a.rounds):
+                for label, _ in (configs if r % 2 == 0 else configs[::-1]):
+                    if time.monotonic() >= deadline:
+                        print(f"skipped {label} at {level} clients, round {r + 1}: --max-seconds reached",
+                              file=sys.stderr)
+                        continue
+                    print(f"{label}: {n} requests from {level} clients (round {r + 1}/{a.rounds}) ...",
+                          file=sys.stderr, flush=True)
+                    cell = run_cell(label, handles[label], n, level, a.max_tokens, context, deadline, a.timeout)
+                    cells.append(dict(cell, round=r))
     finally:
         for handle in handles.values():
             handle.close()
-    print(f"concurrency levels {a.concurrency}, max({a.min_requests}, {a.requests_per_client} x clients) requests "
-          f"per cell, {a.max_tokens} completion tokens max, shared context ~{len(tokenizer.encode(context))} tokens, "
-          f"model {a.model}")
+    rows = pool(cells)
+    print(f"concurrency levels {a.concurrency}, {a.rounds} round(s) of max({a.min_requests}, {a.requests_per_client} "
+          f"x clients) requests per cell, {a.max_tokens} completion tokens max, shared context "
+          f"~{len(tokenizer.encode(context))} tokens, model {a.model}")
     print(_table(rows))
     print()
     print(_capacity_table(cap, a.capacity_tokens, a.budget_gib))
     if a.out:
-        a.out.write_text(json.dumps({"load": rows, "capacity": cap}, indent=2))
+        a.out.write_text(json.dumps({"load": rows, "cells": cells, "capacity": cap}, indent=2))
     return 0 if all(r["errors"] == 0 for r in rows) else 1
 
 

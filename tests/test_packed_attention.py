@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.base import create_causal_mask
 
-from veloxquant_mlx.attention.packed_sdpa import CodedPart, ExactPart, coded_attention, packed_attention
+from veloxquant_mlx.attention.packed_sdpa import (CodedPart, ExactPart, attend_one_query, coded_attention,
+                                                  packed_attention)
 from veloxquant_mlx.codecs import AffineBlockKeyCodec, AffineRotatedCodec, LloydMaxCodec
 
 D = 64
@@ -229,6 +230,58 @@ def test_coded_parts_with_different_value_means_equal_sdpa(second_centered):
     q = rand((1, 4, 1, d), 13)
     out = packed_attention(q, parts, 0.3)
     assert_close(out, mx.fast.scaled_dot_product_attention(q, Kf, Vf, scale=0.3, mask=None))
+
+
+@pytest.mark.parametrize("layout", ["exact", "coded", "sink+coded+tail", "two coded+tail"])
+@pytest.mark.parametrize("with_sinks", [False, True])
+@pytest.mark.parametrize("kind", ["block8", "affine4", "mse"])
+def test_attend_one_query_equals_general_path_and_sdpa(layout, with_sinks, kind):
+    """The decode fast path (what caches call per layer per step) computes what the general path does, and what
+    SDPA on the decoded history does, for every mix of parts a cache builds, with attention-sink logits too."""
+    B, Hkv, rep = 2, 3, 3
+    kc, ka, vc, va, sink, recent, _, _ = setup(kind, B, Hkv)
+    n = kc.n_tokens(ka)
+    half = n // 2 if kc.token_block == 1 else kc.token_block
+    kc2, vc2 = make_codecs(kind)
+    K2, V2 = rand((B, Hkv, half, D), 21, 0.3), rand((B, Hkv, half, D), 22, 0.9)
+    kc2.fit(K2)
+    vc2.fit(V2)
+    ka2, va2 = kc2.encode(K2), vc2.encode(V2)
+    coded, coded2 = CodedPart(kc, ka, vc, va), CodedPart(kc2, ka2, vc2, va2)
+    parts = {"exact": [ExactPart(*sink), ExactPart(*recent)], "coded": [coded],
+             "sink+coded+tail": [ExactPart(*sink), coded, ExactPart(*recent)],
+             "two coded+tail": [coded, coded2, ExactPart(*recent)]}[layout]
+    ks = [p.keys if isinstance(p, ExactPart) else p.k_codec.decode(p.k_arrays, mx.float32) for p in parts]
+    vs = [p.values if isinstance(p, ExactPart) else p.v_codec.decode(p.v_arrays, mx.float32) for p in parts]
+    q = rand((B, Hkv * rep, 1, D), 23)
+    sinks = rand((Hkv * rep,), 24) if with_sinks else None
+    fast = attend_one_query(q, parts, 0.2, sinks)
+    general = packed_attention(q, parts, 0.2, None, sinks=sinks, packed_rows=10 ** 6)  # not routed to the fast path
+    ref = mx.fast.scaled_dot_product_attention(q, mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2), scale=0.2,
+                                               sinks=sinks)
+    assert fast.shape == (B, Hkv * rep, 1, D)
+    np.testing.assert_allclose(np.array(fast), np.array(general), rtol=1e-6, atol=1e-6)
+    assert_close(fast, ref)
+    half_q = attend_one_query(q.astype(mx.float16), parts, 0.2, sinks)
+    assert half_q.dtype == mx.float16
+
+    # A batch's pad slots: per-part masks (None for a part every row fills) hide exactly what the concatenated
+    # mask hides in the general path, and change nothing where they are all True.
+    rng = np.random.default_rng(7)
+    masks = [None if i == 0 else mx.array(rng.random((B, Hkv, 1, p.length)) < 0.7) for i, p in enumerate(parts)]
+    if len(parts) == 1:
+        masks = [mx.array(rng.random((B, Hkv, 1, parts[0].length)) < 0.7)]
+    full = [mx.ones((B, Hkv, 1, p.length), mx.bool_) if m is None else m for m, p in zip(masks, parts)]
+    for m in full:
+        m[..., 0] = True  # every row sees at least one token of every part
+    masks = [None if m is None else f for m, f in zip(masks, full)]
+    grouped = mx.repeat(mx.concatenate(full, axis=-1), rep, axis=1)  # (B, Hq, 1, N): query heads r of KV head h
+    fast = attend_one_query(q, parts, 0.2, sinks, masks)
+    general = packed_attention(q, parts, 0.2, grouped, sinks=sinks, packed_rows=10 ** 6)
+    np.testing.assert_allclose(np.array(fast), np.array(general), rtol=1e-6, atol=1e-6)
+    everything = attend_one_query(q, parts, 0.2, sinks, [mx.ones((B, Hkv, 1, p.length), mx.bool_) for p in parts])
+    np.testing.assert_allclose(np.array(everything), np.array(attend_one_query(q, parts, 0.2, sinks)), rtol=1e-6,
+                               atol=1e-6)
 
 
 # -- validation ---------------------------------------------------------------------------------

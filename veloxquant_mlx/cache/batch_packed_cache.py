@@ -36,7 +36,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache, dynamic_roll
 
 from veloxquant_mlx.attention import hook as _hook
-from veloxquant_mlx.attention.packed_sdpa import CodedPart, ExactPart, packed_attention
+from veloxquant_mlx.attention.packed_sdpa import CodedPart, ExactPart, attend_one_query, packed_attention
 from veloxquant_mlx.cache._pipeline import PipelineDependency
 from veloxquant_mlx.cache._token_store import TokenStore
 from veloxquant_mlx.codecs import codec_layout
@@ -58,22 +58,24 @@ def _column(values: Sequence[int]) -> mx.array:
     return mx.array(list(values), dtype=mx.int32).reshape(-1, 1, 1, 1)
 
 
-_last_mask = (None, None)  # (key, folded mask): every layer of one decode step has the same rows
+_last_masks = (None, None)  # (key, folded part masks): every layer of one decode step has the same rows
 
 
-def _folded_decode_mask(cache, Hq: int):
-    """`decode_mask` per folded query head ``(1, B*Hq, 1, N)`` (or None), built once per decode step: the layers
-    after the first find it here (one entry, replaced atomically)."""
-    global _last_mask
-    key = (Hq, cache.B, tuple(cache.sink_n), tuple(cache.start), tuple(cache.coded), tuple(cache.tail_n),
+def _folded_part_masks(cache):
+    """`part_masks` folded for one query per row, ``(1, B*H, 1, n)`` per part (or None), built once per decode
+    step: the layers after the first find them here (one entry, replaced atomically)."""
+    global _last_masks
+    key = (cache.heads, cache.B, tuple(cache.sink_n), tuple(cache.start), tuple(cache.coded), tuple(cache.tail_n),
            cache._part_sizes())
-    last_key, mask = _last_mask
+    last_key, masks = _last_masks
     if last_key != key:
-        mask = cache.decode_mask()
-        if mask is not None:
-            mask = mx.broadcast_to(mask, (cache.B, Hq, 1, mask.shape[-1])).reshape(1, cache.B * Hq, 1, -1)
-        _last_mask = (key, mask)
-    return mask
+        masks = cache.part_masks()
+        if masks is not None:
+            B, H = cache.B, cache.heads
+            masks = [None if m is None else mx.broadcast_to(m, (B, H, 1, m.shape[-1])).reshape(1, B * H, 1, -1)
+                     for m in masks]
+        _last_masks = (key, masks)
+    return masks
 
 
 class RowCodes:
@@ -362,6 +364,9 @@ class TurboQuantBatchPackedCache(PipelineDependency, _BaseCache):
 
     def _append(self, keys: mx.array, values: mx.array) -> None:
         T = keys.shape[2]
+        if T == 1 and self._pending is None and self._lead is None and self._block > 1 and \
+                min(self.sink_n) >= self.options.sink:
+            return self._append_one(keys, values)
         lead, real = self._counts(T)
         if self._pending is not None:
             self._pending = [p - r for p, r in zip(self._pending, real)]
@@ -378,6 +383,16 @@ class TurboQuantBatchPackedCache(PipelineDependency, _BaseCache):
             self._code_tail()
         self._set_lengths([n + r for n, r in zip(self.lengths, real)])
         self._chunk = (T, lead, real, [n - r for n, r in zip(self.lengths, real)])
+
+    def _append_one(self, keys: mx.array, values: mx.array) -> None:
+        """A decode step of a block codec, every sink full: what `_append` does then, without its bookkeeping of
+        pad tokens and sinks (one token per row joins the tail; whole blocks are coded when they leave it)."""
+        self.tail.append({"k": keys, "v": values})
+        self.tail_n = [t + 1 for t in self.tail_n]
+        if max(self.tail_n) - self.options.trim_headroom >= self._block:
+            self._code_tail()
+        self._set_lengths([n + 1 for n in self.lengths])
+        self._chunk = (1, [0] * self.B, [1] * self.B, [n - 1 for n in self.lengths])
 
     def _set_lengths(self, lengths: List[int]) -> None:
         self.lengths = lengths
@@ -471,7 +486,7 @@ class TurboQuantBatchPackedCache(PipelineDependency, _BaseCache):
 
     def attention_parts(self) -> List[Any]:
         """The batch as attention parts ``[sink | codes | tail]``, folded ``(1, B*H, ...)`` (the folded codecs'
-        per-head parameters are per sequence); row validity is `decode_mask`'s."""
+        per-head parameters are per sequence); row validity is `part_masks`'."""
         S, C, L = self._part_sizes()
         parts: List[Any] = []
         if S:
@@ -486,18 +501,30 @@ class TurboQuantBatchPackedCache(PipelineDependency, _BaseCache):
             parts.append(ExactPart(t["k"], t["v"]))
         return parts
 
+    def part_masks(self) -> Optional[List[Optional[mx.array]]]:
+        """One entry per `attention_parts` part: bool ``(B, 1, 1, n)``, True on each row's stored tokens, or None
+        where every row fills the part; None when no part has a pad slot."""
+        B, L = self.B, self.tail.length
+        ranges = (([0] * B, self.sink_n), (self.start, self.coded), ([L - t for t in self.tail_n], [L] * B))
+        masks = []
+        for n, (lo, hi) in zip(self._part_sizes(), ranges):
+            if not n:
+                continue
+            if any(lo) or any(h != n for h in hi):
+                slot = mx.arange(n, dtype=mx.int32).reshape(1, 1, 1, n)
+                masks.append((slot >= _column(lo)) & (slot < _column(hi)))
+            else:
+                masks.append(None)
+        return masks if any(m is not None for m in masks) else None
+
     def decode_mask(self):
         """Bool ``(B, 1, 1, N)`` over `attention_parts`: each row's stored tokens (its pad slots hidden), or None
         when no row has a pad slot."""
-        B, L, sizes = self.B, self.tail.length, self._part_sizes()
-        ranges = (([0] * B, self.sink_n), (self.start, self.coded), ([L - t for t in self.tail_n], [L] * B))
-        if not any(n and (any(lo) or any(h != n for h in hi)) for n, (lo, hi) in zip(sizes, ranges)):
+        masks = self.part_masks()
+        if masks is None:
             return None
-        pieces = []
-        for n, (lo, hi) in zip(sizes, ranges):
-            if n:
-                slot = mx.arange(n, dtype=mx.int32).reshape(1, 1, 1, n)
-                pieces.append((slot >= _column(lo)) & (slot < _column(hi)))
+        sizes = [n for n in self._part_sizes() if n]
+        pieces = [m if m is not None else mx.ones((self.B, 1, 1, n), mx.bool_) for m, n in zip(masks, sizes)]
         return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=-1)
 
     def row_parts(self, i: int) -> List[Any]:
@@ -525,11 +552,11 @@ class TurboQuantBatchPackedCache(PipelineDependency, _BaseCache):
             raise ValueError(f"queries have batch size {B}, but this cache holds {self.B} sequences")
         if L > 1:
             return self._attend_chunk(queries, scale, sinks)
-        rows = _folded_decode_mask(self, Hq)
         if sinks is not None:
             sinks = mx.tile(sinks.reshape(-1), (B,))
-        out = packed_attention(queries.reshape(1, B * Hq, L, d), self.attention_parts(), scale, rows, sinks=sinks)
-        return out.reshape(B, Hq, L, out.shape[-1])
+        out = attend_one_query(queries.reshape(1, B * Hq, 1, d), self.attention_parts(), scale, sinks,
+                               _folded_part_masks(self))
+        return out.reshape(B, Hq, 1, out.shape[-1])
 
     def _attend_chunk(self, queries: mx.array, scale: float, sinks) -> mx.array:
         """A prompt chunk, one sequence at a time (prefill, not the decode step): each row's real queries against
