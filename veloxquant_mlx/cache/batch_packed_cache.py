@@ -58,6 +58,10 @@ def _column(values: Sequence[int]) -> mx.array:
     return mx.array(list(values), dtype=mx.int32).reshape(-1, 1, 1, 1)
 
 
+# (options, k_dim, v_dim, heads) -> per codec (RowCodes layout, unfitted per-head arrays): probing costs two encodes
+# and a fit per layer, which made merging a batch cost more than a decode step (mlx_lm merges at every join).
+_PROBES: Dict[tuple, tuple] = {}
+
 _last_masks = (None, None)  # (key, folded part masks): every layer of one decode step has the same rows
 
 
@@ -85,16 +89,22 @@ class RowCodes:
     codec contract does not name them), so rows are written in place at their own slot.
     """
 
-    def __init__(self, codec, heads: int, grow: int):
+    def __init__(self, codec, heads: int, grow: int, layout: Optional[dict] = None):
         self.codec, self.grow, self.block = codec, grow, codec.token_block
-        one = codec.encode(mx.zeros((1, heads, self.block, codec.d)))
-        two = codec.encode(mx.zeros((1, heads, 2 * self.block, codec.d)))
-        self.layout = {}  # field -> (token axis, units per block, shape of one row's block, dtype)
-        for f, a in one.items():
-            axis = next(ax for ax in range(1, a.ndim) if two[f].shape[ax] != a.shape[ax])
-            self.layout[f] = (axis, a.shape[axis], tuple(a.shape), a.dtype)
+        self.layout = layout or self.probe_layout(codec, heads)
         self.arrays: Dict[str, mx.array] = {}
         self.capacity = 0
+
+    @staticmethod
+    def probe_layout(codec, heads: int) -> dict:
+        """field -> (token axis, units per block, shape of one row's block, dtype), from two probe encodings."""
+        one = codec.encode(mx.zeros((1, heads, codec.token_block, codec.d)))
+        two = codec.encode(mx.zeros((1, heads, 2 * codec.token_block, codec.d)))
+        layout = {}
+        for f, a in one.items():
+            axis = next(ax for ax in range(1, a.ndim) if two[f].shape[ax] != a.shape[ax])
+            layout[f] = (axis, a.shape[axis], tuple(a.shape), a.dtype)
+        return layout
 
     def _zeros(self, rows: int, tokens: int) -> Dict[str, mx.array]:
         out = {}
@@ -209,12 +219,17 @@ class TurboQuantBatchPackedCache(PipelineDependency, _BaseCache):
         self.dims, self.heads = (k_dim, v_dim), heads
         self._base = codec_layout(self.options.codec).make(self.options, k_dim, v_dim)
         grow = self._block if self._block > 1 else _CODE_STEP
-        self.k_codes, self.v_codes = RowCodes(self._base[0], heads, grow), RowCodes(self._base[1], heads, grow)
+        key = (self.options, k_dim, v_dim, heads)
+        probes = _PROBES.get(key)
+        if probes is None:  # the same for every layer and every merge of this configuration: probed once
+            probes = _PROBES[key] = tuple((RowCodes.probe_layout(c, heads), self._unfitted_arrays(c)) for c in self._base)
+        self.k_codes, self.v_codes = (RowCodes(c, heads, grow, layout) for c, (layout, _) in zip(self._base, probes))
         # Rows not fitted yet hold the parameters a fit on a zero token gives: finite, and no coded token of
         # theirs reads them (a row is fitted before its first token is coded).
-        self.k_codec, self.v_codec = (self._placeholder(c, self.B) for c in self._base)
+        self.k_codec, self.v_codec = (self._placeholder(c, arrays, self.B) for c, (_, arrays) in zip(self._base, probes))
 
-    def _placeholder(self, base, rows: int):
+    def _unfitted_arrays(self, base) -> Dict[str, mx.array]:
+        """What a fit on one zero token gives (per head), checked to be per head."""
         probe = copy.copy(base)
         probe.fit(mx.zeros((1, self.heads, 1, base.d)))
         arrays = probe.fitted_arrays()
@@ -222,8 +237,13 @@ class TurboQuantBatchPackedCache(PipelineDependency, _BaseCache):
             if a.shape[0] != self.heads:
                 raise ValueError(f"codec={self.options.codec!r}: fitted array {name!r} of shape {tuple(a.shape)} is "
                                  f"not per head ({self.heads} heads), so sequences cannot be batched")
+        mx.eval(arrays)
+        return arrays
+
+    @staticmethod
+    def _placeholder(base, arrays: Dict[str, mx.array], rows: int):
         folded = copy.copy(base)
-        folded.load_fitted({n: mx.concatenate([a] * rows, axis=0) for n, a in arrays.items()})
+        folded.load_fitted({n: mx.concatenate([a] * rows, axis=0) if rows > 1 else a for n, a in arrays.items()})
         return folded
 
     @staticmethod
