@@ -1,7 +1,10 @@
 """Load test of ``veloxquant serve``: requests/s and latency, batched and not, compressed vs plain KV caches.
 
-Every configuration gets a server in this process on 127.0.0.1 (a free port; loopback only); all of them
-start first and get one warm-up request, then, for each ``--concurrency`` level (default 1, 4, 8, 16), each
+Every configuration gets a ``veloxquant serve`` process of its own on 127.0.0.1 (a free port; loopback only), as
+it is deployed (``--in-process``: threads of this process sharing one model instead; in-process runs at 1 client
+measured the compressed batched server at 0.84x of plain with three servers and the memory probe in the process,
+0.98x with two servers, same code, minutes apart: they disturb each other unevenly); all of them start first and
+get one warm-up request, then, for each ``--concurrency`` level (default 1, 4, 8, 16), each
 server in turn answers ``max(--min-requests, level * --requests-per-client)`` chat completions sent by that many
 client threads (interleaved, so a change in the machine's load hits every configuration alike). ``--rounds R``
 repeats that R times per level, the order of the servers reversed every other round; each round's ratio to the
@@ -22,7 +25,9 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import socket
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -71,6 +76,62 @@ def _serve(serve_args, model, tokenizer, max_tokens):
         ["--host", "127.0.0.1", "--log-level", "WARNING", "--max-tokens", str(max_tokens)] + serve_args
     )
     return vs.start_server(args, model=model, tokenizer=tokenizer, port=0)  # port 0: a free one
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``veloxquant serve`` in a process of its own (how it is deployed), on a free loopback port.
+
+    What the in-process `ServerHandle` tells the rows (footprint, batching) is measured here the same way, on this
+    process's copy of the model; the server's prompt-cache bytes are not visible from outside (None).
+    """
+
+    def __init__(self, serve_args, model, model_name: str, max_tokens: int, timeout: float = 300.0):
+        from veloxquant_mlx.eval.memory import measure_footprint
+        from veloxquant_mlx.eval.specs import resolve_spec
+        from veloxquant_mlx.server import probe_batching
+
+        method = serve_args[serve_args.index("--method") + 1]
+        make_cache = resolve_spec(method).make_cache
+        self.footprint = measure_footprint(model, make_cache)
+        self.batching = (False, "--no-batching") if "--no-batching" in serve_args else probe_batching(model, make_cache)
+        self.port = _free_port()
+        cmd = [sys.executable, "-m", "veloxquant_mlx", "serve", "--model", model_name, "--host", "127.0.0.1",
+               "--port", str(self.port), "--log-level", "WARNING", "--max-tokens", str(max_tokens)] + list(serve_args)
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while True:  # ready once /health answers
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server {' '.join(serve_args)} exited with {self.proc.returncode} before serving")
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"server {' '.join(serve_args)} did not answer /health within {timeout:.0f} s")
+            time.sleep(0.5)
+
+    @property
+    def prompt_cache_nbytes(self):
+        return None
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()  # SIGTERM: veloxquant serve stops cleanly
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
 def _body(i: int, context: str, max_tokens: int) -> dict:
@@ -133,8 +194,14 @@ def run_cell(label, handle, n_requests, concurrency, max_tokens, context, deadli
         "cached_prompt_tokens": cached,
         "kv_bytes_per_token": fp["bytes_per_token"],
         "kv_bits_per_coordinate": fp["bits_per_coordinate"],
-        "prompt_cache_mib": handle.response_generator.prompt_cache.nbytes / 2**20,
+        "prompt_cache_mib": _prompt_cache_mib(handle),
     }
+
+
+def _prompt_cache_mib(handle):
+    if isinstance(handle, ServerProcess):
+        return None
+    return handle.response_generator.prompt_cache.nbytes / 2**20
 
 
 def pool(cells):
@@ -260,6 +327,9 @@ def main(argv=None) -> int:
     p.add_argument("--budget-gib", type=float, default=1.0, help="KV budget of the memory table (GiB)")
     p.add_argument("--rounds", type=int, default=1,
                    help="cells per configuration and level, the servers' order reversed every other round (default 1)")
+    p.add_argument("--in-process", action="store_true",
+                   help="serve every configuration from threads of this process (sharing one model) instead of one "
+                        "`veloxquant serve` process each; measured: servers sharing a process slow each other unevenly")
     p.add_argument("--max-seconds", type=float, default=900.0, help="stop sending after this long in all")
     p.add_argument("--timeout", type=float, default=120.0, help="per-request timeout in seconds")
     p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
@@ -282,7 +352,8 @@ def main(argv=None) -> int:
     try:
         for label, serve_args in configs:
             print(f"starting {label} ...", file=sys.stderr, flush=True)
-            handles[label] = _serve(serve_args, model, tokenizer, a.max_tokens)
+            handles[label] = (_serve(serve_args, model, tokenizer, a.max_tokens) if a.in_process
+                              else ServerProcess(serve_args, model, a.model, a.max_tokens))
             run_cell(label, handles[label], 1, 1, a.max_tokens, context, deadline, a.timeout)  # warm-up
         for level in a.concurrency:
             n = max(a.min_requests, level * a.requests_per_client)
