@@ -319,10 +319,11 @@ def attend_one_query(queries: mx.array, parts: Sequence[Part], scale: float, sin
 
     ``masks``: None (every token visible) or one entry per part, None or a bool array (True = attend)
     broadcastable to the part's grouped scores ``(B, Hkv, R, n)`` (a batch's per-row valid slots); every row must
-    see at least one token. The same ops as `packed_attention` (tested equal), without its argument checks and its
-    general mask and part bookkeeping: a cache calls it with the parts it built itself (non-empty, its own heads),
-    once per layer per step, where that Python was half of the attention's graph-building time (~170 -> ~95 us
-    per layer on this CPU, SmolLM2 shapes).
+    see at least one token. What `packed_attention` computes (tested equal to float32 rounding), without its
+    argument checks and its general mask and part bookkeeping: a cache calls it with the parts it built itself
+    (non-empty, its own heads), once per layer per step, where that Python was half of the attention's
+    graph-building time (~170 -> ~95 us per layer on this CPU, SmolLM2 shapes). Histories of at most
+    `DECODE_SOFTMAX_TOKENS` tokens take one fused ``mx.softmax`` (`_short_softmax_values`).
     """
     B, Hq, _, d = queries.shape
     masks = list(masks) if masks is not None else [None] * len(parts)

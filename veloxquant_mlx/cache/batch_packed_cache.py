@@ -237,7 +237,6 @@ class TurboQuantBatchPackedCache(PipelineDependency, _BaseCache):
             if a.shape[0] != self.heads:
                 raise ValueError(f"codec={self.options.codec!r}: fitted array {name!r} of shape {tuple(a.shape)} is "
                                  f"not per head ({self.heads} heads), so sequences cannot be batched")
-        mx.eval(arrays)
         return arrays
 
     @staticmethod
