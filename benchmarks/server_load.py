@@ -104,7 +104,13 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "veloxquant_mlx", "serve", "--model", model_name, "--host", "127.0.0.1",
                "--port", str(self.port), "--log-level", "WARNING", "--max-tokens", str(max_tokens)] + list(serve_args)
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout
+        try:
+            self._wait_ready(serve_args, time.monotonic() + timeout)
+        except BaseException:  # not ready, or interrupted: no server process is left behind
+            self.close()
+            raise
+
+    def _wait_ready(self, serve_args, deadline: float) -> None:
         while True:  # ready once /health answers
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server {' '.join(serve_args)} exited with {self.proc.returncode} before serving")
@@ -112,17 +118,12 @@ class ServerProcess:
                 conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
                 conn.request("GET", "/health")
                 if conn.getresponse().status == 200:
-                    break
+                    return
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError(f"server {' '.join(serve_args)} did not answer /health within {timeout:.0f} s")
+                raise RuntimeError(f"server {' '.join(serve_args)} did not answer /health in time")
             time.sleep(0.5)
-
-    @property
-    def prompt_cache_nbytes(self):
-        return None
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -189,13 +190,18 @@ def run_cell(label, handle, n_requests, concurrency, max_tokens, context, deadli
         "completion_tokens_per_s": completion / wall if wall > 0 else 0.0,
         "latencies_s": lat,
         "latency_p50_s": statistics.median(lat) if lat else None,
-        "latency_p95_s": lat[min(len(lat) - 1, int(0.95 * len(lat)))] if lat else None,
+        "latency_p95_s": _p95(lat),
         "prompt_tokens": prompt,
         "cached_prompt_tokens": cached,
         "kv_bytes_per_token": fp["bytes_per_token"],
         "kv_bits_per_coordinate": fp["bits_per_coordinate"],
         "prompt_cache_mib": _prompt_cache_mib(handle),
     }
+
+
+def _p95(sorted_latencies):
+    lat = sorted_latencies
+    return lat[min(len(lat) - 1, int(0.95 * len(lat)))] if lat else None
 
 
 def _prompt_cache_mib(handle):
@@ -231,7 +237,7 @@ def pool(cells):
             "completion_tokens_per_s": sum(c["completion_tokens_per_s"] * c["wall_s"] for c in group) / wall
             if wall > 0 else 0.0,
             "latency_p50_s": statistics.median(lat) if lat else None,
-            "latency_p95_s": lat[min(len(lat) - 1, int(0.95 * len(lat)))] if lat else None,
+            "latency_p95_s": _p95(lat),
             "prompt_tokens": sum(c["prompt_tokens"] for c in group),
             "cached_prompt_tokens": sum(c["cached_prompt_tokens"] for c in group),
             "prompt_cache_mib": group[-1]["prompt_cache_mib"],

@@ -383,9 +383,6 @@ class TurboQuantBatchPackedCache(PipelineDependency, _BaseCache):
 
     def _append(self, keys: mx.array, values: mx.array) -> None:
         T = keys.shape[2]
-        if T == 1 and self._pending is None and self._lead is None and self._block > 1 and \
-                min(self.sink_n) >= self.options.sink:
-            return self._append_one(keys, values)
         lead, real = self._counts(T)
         if self._pending is not None:
             self._pending = [p - r for p, r in zip(self._pending, real)]
@@ -402,16 +399,6 @@ class TurboQuantBatchPackedCache(PipelineDependency, _BaseCache):
             self._code_tail()
         self._set_lengths([n + r for n, r in zip(self.lengths, real)])
         self._chunk = (T, lead, real, [n - r for n, r in zip(self.lengths, real)])
-
-    def _append_one(self, keys: mx.array, values: mx.array) -> None:
-        """A decode step of a block codec, every sink full: what `_append` does then, without its bookkeeping of
-        pad tokens and sinks (one token per row joins the tail; whole blocks are coded when they leave it)."""
-        self.tail.append({"k": keys, "v": values})
-        self.tail_n = [t + 1 for t in self.tail_n]
-        if max(self.tail_n) - self.options.trim_headroom >= self._block:
-            self._code_tail()
-        self._set_lengths([n + 1 for n in self.lengths])
-        self._chunk = (1, [0] * self.B, [1] * self.B, [n - 1 for n in self.lengths])
 
     def _set_lengths(self, lengths: List[int]) -> None:
         self.lengths = lengths
@@ -535,16 +522,6 @@ class TurboQuantBatchPackedCache(PipelineDependency, _BaseCache):
             else:
                 masks.append(None)
         return masks if any(m is not None for m in masks) else None
-
-    def decode_mask(self):
-        """Bool ``(B, 1, 1, N)`` over `attention_parts`: each row's stored tokens (its pad slots hidden), or None
-        when no row has a pad slot."""
-        masks = self.part_masks()
-        if masks is None:
-            return None
-        sizes = [n for n in self._part_sizes() if n]
-        pieces = [m if m is not None else mx.ones((self.B, 1, 1, n), mx.bool_) for m, n in zip(masks, sizes)]
-        return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=-1)
 
     def row_parts(self, i: int) -> List[Any]:
         """Row ``i``'s stored tokens alone, ``[sink | codes | tail]`` with its own codecs: exactly the attention
