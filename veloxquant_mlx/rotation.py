@@ -122,8 +122,10 @@ class Rotation:
     def apply(self, x: mx.array) -> mx.array:
         """``(..., d) -> (..., d)``: Pi x for every vector."""
         x = mx.array(x) if not isinstance(x, mx.array) else x
-        self._check(x, "x")
-        x = x.astype(mx.float32)
+        if x.shape[-1] != self.d:
+            self._check(x, "x")
+        if x.dtype != mx.float32:  # (skipped when already float32: decode calls this twice per layer)
+            x = x.astype(mx.float32)
         if self.kind == "haar":
             return x @ self._pi_t
         return mx.hadamard_transform(x * self.signs, scale=self._scale)
@@ -131,8 +133,10 @@ class Rotation:
     def invert(self, y: mx.array) -> mx.array:
         """``(..., d) -> (..., d)``: Pi^T y for every vector (inverse of apply)."""
         y = mx.array(y) if not isinstance(y, mx.array) else y
-        self._check(y, "y")
-        y = y.astype(mx.float32)
+        if y.shape[-1] != self.d:
+            self._check(y, "y")
+        if y.dtype != mx.float32:
+            y = y.astype(mx.float32)
         if self.kind == "haar":
             return y @ self._matrix
         if self._symmetric:

@@ -158,8 +158,13 @@ def part_scores(q: mx.array, part: Part, mask, R: int, L: int, packed_rows: Opti
 
 def _shared_offset(parts: Sequence[Part]) -> Optional[mx.array]:
     """The ``decoded_offset`` ``(Hkv, dv)`` every coded part's values carry when one value codec holds them all."""
-    codecs = {id(p.v_codec): p.v_codec for p in parts if isinstance(p, CodedPart)}
-    return next(iter(codecs.values())).decoded_offset() if len(codecs) == 1 else None
+    codec = None
+    for p in parts:
+        if isinstance(p, CodedPart):
+            if codec is not None and p.v_codec is not codec:
+                return None
+            codec = p.v_codec
+    return None if codec is None else codec.decoded_offset()
 
 
 def _weighted_values(es: Sequence[mx.array], l: mx.array, parts: Sequence[Part], packed_rows: Optional[int]) -> mx.array:
@@ -321,20 +326,30 @@ def attend_one_query(queries: mx.array, parts: Sequence[Part], scale: float, sin
     broadcastable to the part's grouped scores ``(B, Hkv, R, n)`` (a batch's per-row valid slots); every row must
     see at least one token. What `packed_attention` computes (tested equal to float32 rounding), without its
     argument checks and its general mask and part bookkeeping: a cache calls it with the parts it built itself
-    (non-empty, its own heads), once per layer per step, where that Python was half of the attention's
-    graph-building time (~170 -> ~95 us per layer on this CPU, SmolLM2 shapes). Histories of at most
-    `DECODE_SOFTMAX_TOKENS` tokens take one fused ``mx.softmax`` (`_short_softmax_values`).
+    (non-empty, its own heads), once per layer per step, so its Python is a decode step's cost on CPU (written
+    for few calls and no temporaries: ~170 -> ~95 -> ~60 us per layer on this CPU, SmolLM2 shapes). Histories of
+    at most `DECODE_SOFTMAX_TOKENS` tokens take one fused ``mx.softmax`` (`_short_softmax_values`).
     """
     B, Hq, _, d = queries.shape
-    masks = list(masks) if masks is not None else [None] * len(parts)
-    coded = [(p, m) for p, m in zip(parts, masks) if isinstance(p, CodedPart)]
-    exact = [(p, m) for p, m in zip(parts, masks) if isinstance(p, ExactPart) and p.keys.shape[2]]
-    Hkv = _part_heads((coded or exact)[0][0])[1]
+    coded, exact, n = [], [], 0
+    for i, p in enumerate(parts):
+        m = None if masks is None else masks[i]
+        if isinstance(p, CodedPart):
+            coded.append((p, m))
+            n += p.length
+        elif p.keys.shape[2]:
+            exact.append((p, m))
+            n += p.keys.shape[2]
+    first = (coded or exact)[0][0]
+    Hkv = first.keys.shape[1] if isinstance(first, ExactPart) else next(iter(first.v_arrays.values())).shape[1]
     R = Hq // Hkv
-    short = sum(p.length for p, _ in coded) + sum(p.keys.shape[2] for p, _ in exact) <= DECODE_SOFTMAX_TOKENS
+    short = n <= DECODE_SOFTMAX_TOKENS
     q = (f32(queries) * (scale if short else scale * LOG2E)).reshape(B, Hkv, R, d)
-    scores = [_masked(p.k_codec.scores(q, p.k_arrays), m) for p, m in coded]
-    merged = [p for p, _ in coded]
+    scores, merged = [], []
+    for p, m in coded:
+        s = p.k_codec.scores(q, p.k_arrays)
+        scores.append(s if m is None else mx.where(m, s, NEG))
+        merged.append(p)
     if exact:  # key order does not matter to one query: one exact part
         ek, ev, em = exact[0][0].keys, exact[0][0].values, exact[0][1]
         if len(exact) > 1:
@@ -345,37 +360,42 @@ def attend_one_query(queries: mx.array, parts: Sequence[Part], scale: float, sin
                 lead = tuple(max(x) for x in zip(*(m.shape[:-1] for m in given)))
                 em = mx.concatenate([mx.broadcast_to(m if m is not None else mx.array(True), lead + (p.length,))
                                      for p, m in exact], axis=-1)
-        scores.append(_masked(q @ mx.swapaxes(f32(ek), -1, -2), em))
+        s = q @ mx.swapaxes(f32(ek), -1, -2)
+        scores.append(s if em is None else mx.where(em, s, NEG))
         merged.append(ExactPart(ek, ev))
     if short:
         o = _short_softmax_values(scores, merged, sinks, Hkv, R)
     else:
-        o = _softmax_values(scores, merged, sinks, any(m is not None for m in masks), Hkv, R, 1, None)
+        o = _softmax_values(scores, merged, sinks, masks is not None and any(m is not None for m in masks), Hkv, R, 1,
+                            None)
     out = o.reshape(B, Hq, 1, o.shape[-1])
     return out if out.dtype == queries.dtype else out.astype(queries.dtype)
 
 
 def _short_softmax_values(scores: List[mx.array], parts: Sequence[Part], sinks, Hkv: int, R: int) -> mx.array:
     """`attend_one_query`'s weighted values ``(B, Hkv, R, dv)`` for a short history (natural-log ``scores``, one
-    per part): one fused ``mx.softmax`` over the concatenated scores, sliced per part.
+    per part): one fused ``mx.softmax`` over the concatenated scores, split per part.
 
     Below `DECODE_SOFTMAX_TOKENS` this is fewer and cheaper ops than the shared-max ``2**t`` softmax (whose
     kernels cost more than their elements there). The weights come normalized, so a shared value offset ``mu``
     is added once, ``(1 - sink weight) mu``, and taken off the exact values.
     """
-    cols = list(scores)
+    cols = scores
     if sinks is not None:
-        lead = scores[0].shape[:-1]
-        cols.append(mx.broadcast_to(sinks.astype(mx.float32).reshape(1, Hkv, R, 1), lead + (1,)))
-    w = mx.softmax(cols[0] if len(cols) == 1 else mx.concatenate(cols, axis=-1), axis=-1, precise=True)
-    ws, at = [], 0
-    for s in scores:
-        ws.append(w if len(cols) == 1 else w[..., at:at + s.shape[-1]])
-        at += s.shape[-1]
+        cols = scores + [mx.broadcast_to(sinks.astype(mx.float32).reshape(1, Hkv, R, 1), scores[0].shape[:-1] + (1,))]
+    if len(cols) == 1:
+        ws = [mx.softmax(cols[0], axis=-1, precise=True)]
+    else:
+        cuts, at = [], 0
+        for s in cols[:-1]:
+            at += s.shape[-1]
+            cuts.append(at)
+        ws = mx.split(mx.softmax(mx.concatenate(cols, axis=-1), axis=-1, precise=True), cuts, axis=-1)
     # Not `_weighted_values(ws, 1 - sink weight, ...)`: that form gave other decode logits on 2-rank pipeline runs
     # (tests/test_distributed.py) though equal in one process; not understood yet, so the sum stays explicit.
     mu = _shared_offset(parts)
-    mu = None if mu is None else mu[None, :, None, :]
+    if mu is not None:
+        mu = mx.expand_dims(mu, (0, 2))  # (1, Hkv, 1, dv)
     o = None
     for w_p, p in zip(ws, parts):
         if isinstance(p, ExactPart):
@@ -384,7 +404,7 @@ def _short_softmax_values(scores: List[mx.array], parts: Sequence[Part], sinks, 
             o_p = p.v_codec.weighted_sum(w_p, p.v_arrays, with_offset=mu is None)
         o = o_p if o is None else o + o_p
     if mu is not None:
-        o = o + (mu if sinks is None else (1.0 - w[..., at:at + 1]) * mu)
+        o = o + (mu if sinks is None else (1.0 - ws[-1]) * mu)
     return o
 
 

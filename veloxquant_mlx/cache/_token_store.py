@@ -35,12 +35,13 @@ class TokenStore:
         n_new = next(iter(chunk.values())).shape[TOKEN_AXIS]
         if n_new == 0:
             return
-        if set(chunk) != set(self.buffers) and self.buffers:
+        buffers = self.buffers
+        if buffers and chunk.keys() != buffers.keys():
             raise ValueError(
                 f"chunk holds arrays {sorted(chunk)}, the store holds {sorted(self.buffers)}"
             )
         prev, end = self.length, self.length + n_new
-        if not self.buffers or end > self.capacity:
+        if not buffers or end > next(iter(buffers.values())).shape[TOKEN_AXIS]:
             # Grow like mlx_lm's KVCache: keep the live prefix, add whole steps of zeros.
             new_cap = _round_up(end, self.step)
             grown = {}

@@ -39,6 +39,7 @@ from veloxquant_mlx.attention import hook as _hook
 from veloxquant_mlx.attention.packed_sdpa import CodedPart, ExactPart, attend_one_query, packed_attention
 from veloxquant_mlx.cache._pipeline import PipelineDependency
 from veloxquant_mlx.cache._token_store import TokenStore
+from veloxquant_mlx.cache.packed_cache import _check_pair
 from veloxquant_mlx.codecs import codec_layout
 
 _CODE_STEP = 256  # code slots added at a time for per-token codecs (block codecs grow one block at a time)
@@ -357,8 +358,6 @@ class TurboQuantBatchPackedCache(PipelineDependency, _BaseCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Store ``keys``/``values`` ``(B, H, T, d)`` (pad tokens per `prepare` skipped); returns placeholders of
         the stored history's shape (attention runs in `attend_packed`)."""
-        from veloxquant_mlx.cache.packed_cache import _check_pair
-
         if not _hook.is_active():
             raise ValueError(f"{type(self).__name__} attends only from its codes: batch (batch_generate, "
                              "BatchGenerator, mlx_lm.server) on a model after veloxquant_mlx.enable(model), or inside "
@@ -383,6 +382,17 @@ class TurboQuantBatchPackedCache(PipelineDependency, _BaseCache):
 
     def _append(self, keys: mx.array, values: mx.array) -> None:
         T = keys.shape[2]
+        if T == 1 and self._pending is None and self._lead is None and self._block > 1 and self.B and \
+                min(self.sink_n) >= self.options.sink:
+            # A decode step (the common call, ~30 per token): every row's one token joins its tail. What the
+            # general path below does for it, without its per-row bookkeeping lists.
+            self.tail.append({"k": keys, "v": values})
+            self.tail_n = [t + 1 for t in self.tail_n]
+            self._code_tail()
+            before = self.lengths
+            self._set_lengths([n + 1 for n in before])
+            self._chunk = (1, [0] * self.B, [1] * self.B, before)
+            return
         lead, real = self._counts(T)
         if self._pending is not None:
             self._pending = [p - r for p, r in zip(self._pending, real)]
