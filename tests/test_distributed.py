@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -87,9 +88,12 @@ def test_smollm2_on_three_ranks_generates_what_one_process_does():
     assert one.returncode == 0, one.stderr[-2000:]
     code, out = launch(3, main, *argv, timeout=400)
     assert code == 0, out[-3000:]
-    assert one.stdout.strip() and one.stdout.strip() in out
     for r in range(3):
         assert f"rank {r}/3: tensor parallel, 1 of 3 KV heads, 30 layers" in out
+    # mlx.launch relays each rank's stdout and stderr separately, so a stderr line (the leader's speed line) can
+    # land inside the streamed text ("The answer is[tq-affine-k8v8] prompt ...\n:"): compare the text without them.
+    text = re.sub(r"\[tq-affine-k8v8\] [^\n]*\n", "", out)
+    assert one.stdout.strip() and one.stdout.strip() in text, out[-3000:]
 
 
 @pytest.mark.model
