@@ -167,6 +167,46 @@ def test_filter_extend_and_extract_keep_every_row_exact():
     _states_equal(batch.extract(3), other.extract(1))
 
 
+def _join_cases():
+    for name in sorted(CONFIGS):
+        yield pytest.param(name, None, id=name)
+    for name in ("affine-k4v4", "float16-nosink"):
+        yield pytest.param(name, 24, id=f"{name}-window24")
+
+
+@pytest.mark.parametrize("name, window", list(_join_cases()))
+def test_extend_concatenates_rows_as_a_re_merge_would(name, window):
+    """`extend` joins two decoding batches by concatenating their arrays (stores padded to the larger one's slots,
+    tails right-aligned): every row then holds what merging all rows' per-sequence caches gives, and attention
+    over the next decode steps is the same."""
+    import copy
+
+    options = CONFIGS[name]
+    make = None if window is None else (lambda: TurboQuantRotatingPackedCache(options, max_size=window,
+                                                                             keep=options.sink))
+    _, a, _ = _run_cache_level(options, (5, 70, 2), decode_steps=3, make=make)
+    _, b, _ = _run_cache_level(options, (90, 33), decode_steps=1, make=make)
+    merged = type(a).merge([c.extract(i) for c in (a, b) for i in range(c.B)])
+    joined = copy.deepcopy(a)
+    assert joined._join_rows(copy.deepcopy(b))  # the concatenating path, not the re-merge
+    assert joined.B == merged.B == 5 and joined.offset.tolist() == merged.offset.tolist()
+    for i in range(5):
+        _states_equal(joined.extract(i), merged.extract(i))
+    assert joined.nbytes == _arrays_reachable(joined)
+    g = np.random.default_rng(3)
+    with hook.use_packed_attention():
+        for step in range(70):  # crosses a 64-token block for every row
+            k, v = (mx.array(g.standard_normal((5, H, 1, D)), mx.float32) for _ in range(2))
+            q = mx.array(g.standard_normal((5, 2 * H, 1, D)), mx.float32)
+            outs = []
+            for c in (joined, merged):
+                c.update_and_fetch(k, v)
+                outs.append(c.attend_packed(q, D ** -0.5, None))
+            assert mx.abs(outs[0] - outs[1]).max().item() < 1e-5, step
+    for i in range(5):
+        _states_equal(joined.extract(i), merged.extract(i))
+
+
 def _arrays_reachable(obj, seen=None) -> int:
     """Bytes of every distinct mx.array reachable from ``obj``'s attributes (an independent count)."""
     seen = set() if seen is None else seen

@@ -651,8 +651,55 @@ class TurboQuantBatchPackedCache(PipelineDependency, _BaseCache):
         """Append ``other``'s sequences (in place)."""
         if not isinstance(other, TurboQuantBatchPackedCache) or other.options != self.options:
             raise ValueError("extend needs another TurboQuantBatchPackedCache with the same options")
-        joined = type(self).merge([c.extract(i) for c in (self, other) for i in range(c.B)])
-        self.__dict__.update(joined.__dict__)
+        if not self._join_rows(other):  # a cache with no tokens yet, or mid-prompt: through per-sequence caches
+            joined = type(self).merge([c.extract(i) for c in (self, other) for i in range(c.B)])
+            self.__dict__.update(joined.__dict__)
+
+    def _join_rows(self, other: "TurboQuantBatchPackedCache") -> bool:
+        """`extend` by concatenating both batches' arrays along the rows (each store padded to the larger one's
+        slots; tails stay right-aligned), instead of extracting and re-merging every row: mlx_lm extends at every
+        join, and at 15 + 1 rows the re-merge cost ~57 ms of Python per join for 30 layers. False (nothing changed)
+        when the batches are not both plain decoding batches of the same shape."""
+        if (type(other) is not type(self) or self.dims is None or other.dims != self.dims or other.heads != self.heads
+                or any(c._pending is not None or c._lead is not None or c._dependency is not None for c in (self, other))
+                or (self.sink is None) != (other.sink is None)
+                or getattr(self, "max_size", None) != getattr(other, "max_size", None)):
+            return False
+        if self.sink is not None:
+            self.sink = {n: mx.concatenate([self.sink[n], other.sink[n]], axis=0) for n in self.sink}
+        for name in ("k_codes", "v_codes"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            mine.reserve(self.B, theirs.capacity)
+            pieces = theirs.arrays
+            if theirs.capacity < mine.capacity:
+                extra = theirs._zeros(other.B, mine.capacity - theirs.capacity)
+                pieces = theirs.codec.concat([theirs.arrays, extra]) if theirs.arrays else extra
+            mine.arrays = {f: mx.concatenate([a, pieces[f]], axis=0) for f, a in mine.arrays.items()}
+        L = max(self.tail.length, other.tail.length)
+        if L:
+            held = (self.tail if self.tail.length else other.tail).buffers
+
+            def right_aligned(c, n: str, d: int) -> mx.array:  # (rows, H, L, d): live tokens last, zeros before
+                a = c.tail.view()[n] if c.tail.length else None
+                pad = L - (0 if a is None else a.shape[2])
+                if not pad:
+                    return a
+                z = mx.zeros((c.B, self.heads, pad, d), held[n].dtype)
+                return z if a is None else mx.concatenate([z, a], axis=2)
+
+            self.tail.load({n: mx.concatenate([right_aligned(self, n, d), right_aligned(other, n, d)], axis=0)
+                            for n, d in zip("kv", self.dims)})
+        for mine, theirs in ((self.k_codec, other.k_codec), (self.v_codec, other.v_codec)):
+            arrays = mine.fitted_arrays()
+            if arrays:
+                mine.load_fitted({n: mx.concatenate([a, theirs.fitted_arrays()[n]], axis=0) for n, a in arrays.items()})
+        self.sink_n, self.coded, self.tail_n, self.fitted, self.start = (
+            a + b for a, b in zip((self.sink_n, self.coded, self.tail_n, self.fitted, self.start),
+                                  (other.sink_n, other.coded, other.tail_n, other.fitted, other.start)))
+        self.B += other.B
+        self._set_lengths(self.lengths + other.lengths)
+        self._chunk = None
+        return True
 
     # -- sizes and bytes ------------------------------------------------------------------------------
     def size(self) -> int:
