@@ -205,6 +205,13 @@ def test_extend_concatenates_rows_as_a_re_merge_would(name, window):
             assert mx.abs(outs[0] - outs[1]).max().item() < 1e-5, step
     for i in range(5):
         _states_equal(joined.extract(i), merged.extract(i))
+    emptied = copy.deepcopy(a)
+    emptied.filter([])  # every sequence finished: no rows, old arrays still held
+    assert not emptied._join_rows(b)
+    emptied.extend(copy.deepcopy(b))
+    assert emptied.B == 2
+    for i in range(2):
+        _states_equal(emptied.extract(i), b.extract(i))
 
 
 def _arrays_reachable(obj, seen=None) -> int:

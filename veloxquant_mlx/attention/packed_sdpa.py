@@ -409,10 +409,6 @@ def _short_softmax_values(scores: List[mx.array], parts: Sequence[Part], sinks, 
     return o
 
 
-def _masked(scores: mx.array, mask: Optional[mx.array]) -> mx.array:
-    return scores if mask is None else mx.where(mask, scores, NEG)
-
-
 def _blocked_attention(queries, parts, scale, mask, sinks, window_size, packed_rows, N: int) -> mx.array:
     """`packed_attention` for a long chunk, ``QUERY_BLOCK`` query positions at a time.
 

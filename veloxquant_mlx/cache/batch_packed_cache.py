@@ -659,8 +659,10 @@ class TurboQuantBatchPackedCache(PipelineDependency, _BaseCache):
         """`extend` by concatenating both batches' arrays along the rows (each store padded to the larger one's
         slots; tails stay right-aligned), instead of extracting and re-merging every row: mlx_lm extends at every
         join, and at 15 + 1 rows the re-merge cost ~57 ms of Python per join for 30 layers. False (nothing changed)
-        when the batches are not both plain decoding batches of the same shape."""
-        if (type(other) is not type(self) or self.dims is None or other.dims != self.dims or other.heads != self.heads
+        when the batches are not both decoding batches of the same shape holding rows (a filter to no rows keeps
+        its old arrays)."""
+        if (type(other) is not type(self) or not (self.B and other.B) or self.dims is None or other.dims != self.dims
+                or other.heads != self.heads
                 or any(c._pending is not None or c._lead is not None or c._dependency is not None for c in (self, other))
                 or (self.sink is None) != (other.sink is None)
                 or getattr(self, "max_size", None) != getattr(other, "max_size", None)):
