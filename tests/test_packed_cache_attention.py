@@ -266,10 +266,17 @@ def test_bad_codec_options_raise():
         TurboQuantPackedCache(cfg, fetch_placeholders="yes")
 
 
+@pytest.mark.parametrize("blocks", ["several", "one"])
 @pytest.mark.parametrize("mask", ["causal", "window", "array"])
-def test_long_chunks_attend_in_query_blocks_with_the_same_result(mask):
+def test_long_chunks_attend_in_query_blocks_with_the_same_result(mask, blocks, monkeypatch):
     from veloxquant_mlx.attention import packed_sdpa
 
+    # "several": the 4096-key block length at 92 keys; "one": this short history's own (the whole chunk)
+    if blocks == "several":
+        monkeypatch.setattr(packed_sdpa, "BLOCK_SCORES", packed_sdpa.QUERY_BLOCK)
+    calls = []
+    attend = packed_sdpa._attend
+    monkeypatch.setattr(packed_sdpa, "_attend", lambda q, *a: calls.append(q.shape[2]) or attend(q, *a))
     mx.random.seed(3)
     B, Hkv, R, n, d = 2, 2, 3, 90, 32
     L = packed_sdpa.QUERY_BLOCK * 2 + 5  # several blocks, a ragged last one
@@ -283,6 +290,7 @@ def test_long_chunks_attend_in_query_blocks_with_the_same_result(mask):
                  "array": (mx.random.uniform(shape=(B, 1, L, n + 2)) > 0.3, None)}[mask]
     args = (q, kc, kc.encode(k), vc, vc.encode(v), d ** -0.5, m)
     blocked = packed_sdpa.coded_attention(*args, sink=sink, window_size=window)  # CPU default: blocked
+    assert calls == ([packed_sdpa.QUERY_BLOCK] * 2 + [5] if blocks == "several" else [L])
     whole = packed_sdpa.coded_attention(*args, sink=sink, window_size=window, packed_rows=10**6)
     assert float(mx.abs(blocked - whole).max()) < 1e-5 * float(mx.abs(whole).max()) + 1e-6
 

@@ -79,9 +79,9 @@ def exp2_nonpositive(t: mx.array, fused: bool = True) -> mx.array:
     ``t = i + f`` with ``i = trunc(t)`` (an int in [-127, 0]) and ``f`` in ``(-1, 0]``; ``2**i`` is built as
     the float whose exponent field is ``i + 127`` (0 for ``i = -127``, i.e. exactly zero), ``2**f`` by the
     polynomial. Same shape and dtype (float32) as ``t``. ``fused=False`` uses plain ops with Horner's scheme
-    even where the fused kernel is available (same accuracy, values may differ in the last bit); prefill uses
-    it because, with many query blocks in one graph, the fused kernel's buffers raised the peak (SmolLM2, 4096
-    tokens: 643.0 vs 618.0 MiB, benchmarks/prefill_peak.py).
+    even where the fused kernel is available (same accuracy, values may differ in the last bit); a prefill chunk
+    attended in several query blocks uses it because, with many blocks in one graph, the fused kernel's buffers
+    raised the peak (SmolLM2, 4096 tokens: 643.0 vs 618.0 MiB, benchmarks/prefill_peak.py).
     """
     if not fused:
         p, bits = _exp2_parts(t, estrin=False)

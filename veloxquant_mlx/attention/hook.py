@@ -60,19 +60,27 @@ def routes_model(model) -> bool:
 
 
 _zeros = {}  # (ndim, dtype) -> a one-element zero array, shared by every placeholder (never written)
+_last_placeholders = {}  # (ndim, dtype) -> (shape, placeholder): every layer of one decode step asks the same
 
 
 def placeholder_history(shape, dtype) -> mx.array:
     """A stand-in ``(B, H, n, d)`` tensor that costs no memory (a broadcast scalar zero).
 
     For ``update_and_fetch`` while the hook is active: mlx_lm passes it on to SDPA, which the hook
-    sends to ``cache.attend_packed`` instead, so the history is never dequantized.
+    sends to ``cache.attend_packed`` instead, so the history is never dequantized. Consecutive calls with one
+    shape get the same array (never written, never evaluated: safe to share).
     """
+    shape = tuple(shape)
     key = (len(shape), dtype)
+    last = _last_placeholders.get(key)
+    if last is not None and last[0] == shape:
+        return last[1]
     zero = _zeros.get(key)
     if zero is None:
         zero = _zeros[key] = mx.zeros((1,) * len(shape), dtype=dtype)
-    return mx.broadcast_to(zero, tuple(shape))
+    out = mx.broadcast_to(zero, shape)
+    _last_placeholders[key] = (shape, out)
+    return out
 
 
 _TRAILING = ("scale", "mask", "sinks")  # mlx_lm's parameters after ``cache``, in order

@@ -15,8 +15,8 @@ of the whole history is ever concatenated or sliced. A per-head vector every dec
 ``decoded_offset``, e.g. a centring mean) is added once with the total weight when all coded parts share it.
 Optional per-head attention-sink logits join the denominator. Softmax math is float32.
 
-Long query chunks (prefill) whose rows exceed the codecs' packed crossover are attended ``QUERY_BLOCK``
-positions at a time over the history decoded once (`_blocked_attention`): bounded score memory.
+Long query chunks (prefill) whose rows exceed the codecs' packed crossover are attended over the history decoded
+once, `query_block` positions at a time (`_blocked_attention`): bounded score memory.
 
 Shapes: queries ``(B, Hq, L, d)`` with ``Hq = R * Hkv`` (GQA: queries are grouped as ``(B, Hkv, R*L, d)`` so
 every matmul is a plain batched one and the codes are never broadcast); output ``(B, Hq, L, dv)`` in the
@@ -54,6 +54,18 @@ DECODE_SOFTMAX_TOKENS = 512
 # would otherwise hold several 9 x 256 x 4096 float32 tensors (~38 MiB each) at once. Measured on SmolLM2 at
 # 4096 tokens (benchmarks/prefill_peak.py): blocks of 32 peaked at 666.9 MiB, blocks of 16 at 618.0 MiB.
 QUERY_BLOCK = 16
+
+# Shorter histories take longer blocks, up to this many scores per query head (QUERY_BLOCK queries x 4096 keys,
+# the measured setting above): a 20-token chunk over 220 tokens is then one block, not two of 16 and 4 (every
+# block is ~20 more operations, ~10 us each on CPU; on SmolLM2 that chunk's attention took 3.2 ms a layer in
+# 16-query blocks, 1.8 ms in one, mlx_lm's SDPA 2.0 ms).
+BLOCK_SCORES = QUERY_BLOCK * 4096
+
+
+def query_block(n_keys: int) -> int:
+    """Query positions attended at a time over ``n_keys`` keys (summed over a batch's rows) on the dequantize
+    path (at least `QUERY_BLOCK`)."""
+    return max(QUERY_BLOCK, BLOCK_SCORES // max(n_keys, 1))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -265,6 +277,15 @@ def packed_attention(
     R, N = Hq // Hkv, sum(p.length for p in parts)
     if L > QUERY_BLOCK and not packed_matmul_ok(R * L, packed_rows, CPU_BLOCKED_ROWS):
         return _blocked_attention(queries, parts, scale, mask, sinks, window_size, packed_rows, N)
+    return _attend(queries, parts, scale, mask, sinks, window_size, packed_rows, Hkv, N)
+
+
+def _attend(queries, parts: List[Part], scale: float, mask, sinks, window_size, packed_rows, Hkv: int, N: int,
+            fused_exp: bool = True):
+    """`packed_attention` after its checks, all queries at once. ``fused_exp``: the softmax exponential as one
+    fused kernel (False: plain ops, for the blocks of a long chunk, see `exp2_nonpositive`)."""
+    B, Hq, L, d = queries.shape
+    R = Hq // Hkv
     if L == 1 and (mask is None or (isinstance(mask, str) and window_size is None)):
         if packed_rows is None:
             return attend_one_query(queries, parts, scale, sinks)
@@ -281,13 +302,13 @@ def packed_attention(
         seg = _segment_mask(mask, start, start + p.length, L, N, window_size)
         scores.append(part_scores(q, p, seg, R, L, packed_rows))
         start += p.length
-    o = _softmax_values(scores, parts, sinks, mask is not None, Hkv, R, L, packed_rows)
+    o = _softmax_values(scores, parts, sinks, mask is not None, Hkv, R, L, packed_rows, fused_exp)
     out = o.reshape(B, Hq, L, o.shape[-1])
     return out if out.dtype == queries.dtype else out.astype(queries.dtype)
 
 
 def _softmax_values(scores: List[mx.array], parts: Sequence[Part], sinks, masked: bool, Hkv: int, R: int, L: int,
-                    packed_rows: Optional[int]) -> mx.array:
+                    packed_rows: Optional[int], fused_exp: bool = True) -> mx.array:
     """One softmax over every part's log2 scores, then the normalized weighted values ``(B, Hkv, R*L, dv)``.
 
     The parts share one max (no rescaling, no log-sum-exp merge); each exponentiates and aggregates its own
@@ -306,7 +327,7 @@ def _softmax_values(scores: List[mx.array], parts: Sequence[Part], sinks, masked
         m = mx.maximum(m, sink_logits)
     if masked:
         m = mx.maximum(m, NEG)  # finite even when a row is fully masked
-    es = [exp2_nonpositive(s - m, fused=L == 1) for s in scores]  # fused kernel at decode only (see exp2_nonpositive)
+    es = [exp2_nonpositive(s - m, fused=fused_exp) for s in scores]
     l = None
     for e in es:
         l_e = mx.sum(e, axis=-1, keepdims=True)
@@ -410,7 +431,8 @@ def _short_softmax_values(scores: List[mx.array], parts: Sequence[Part], sinks, 
 
 
 def _blocked_attention(queries, parts, scale, mask, sinks, window_size, packed_rows, N: int) -> mx.array:
-    """`packed_attention` for a long chunk, ``QUERY_BLOCK`` query positions at a time.
+    """`packed_attention` for a long chunk, `query_block` query positions at a time (one block when the history
+    is short enough).
 
     Coded parts are decoded once (float32, ``(B, Hkv, n, d)``) and shared by every block; the mask is made
     explicit and sliced along its query axis. Same result, bounded score memory.
@@ -429,11 +451,15 @@ def _blocked_attention(queries, parts, scale, mask, sinks, window_size, packed_r
         B, Hq = queries.shape[:2]
         _grouped_mask(mask, B, Hq, _part_heads(parts[0])[1], L, N)  # validates the shape, clear errors
         mask = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))
+    Hkv, block = ks[0].shape[1], query_block(N * queries.shape[0])  # a batch's rows share the score budget
+    if block >= L:  # one block: the whole chunk against the decoded history
+        return _attend(queries, exact, scale, mask, sinks, None, packed_rows, Hkv, N)
+    # Several blocks in one graph: the exponential as plain ops (the fused kernel's buffers raised the 4096-token
+    # prefill peak, see exp2_nonpositive).
     outs = []
-    for l0 in range(0, L, QUERY_BLOCK):
-        m = mask[..., l0: l0 + QUERY_BLOCK, :] if isinstance(mask, mx.array) and mask.shape[-2] == L else mask
-        outs.append(packed_attention(queries[:, :, l0: l0 + QUERY_BLOCK], exact, scale, m, sinks=sinks,
-                                     packed_rows=packed_rows))
+    for l0 in range(0, L, block):
+        m = mask[..., l0: l0 + block, :] if isinstance(mask, mx.array) and mask.shape[-2] == L else mask
+        outs.append(_attend(queries[:, :, l0: l0 + block], exact, scale, m, sinks, None, packed_rows, Hkv, N, False))
     return mx.concatenate(outs, axis=2)
 
 

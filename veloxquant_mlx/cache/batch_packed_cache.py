@@ -41,6 +41,7 @@ from veloxquant_mlx.cache._pipeline import PipelineDependency
 from veloxquant_mlx.cache._token_store import TokenStore
 from veloxquant_mlx.cache.packed_cache import _check_pair
 from veloxquant_mlx.codecs import codec_layout
+from veloxquant_mlx.validate import FLOAT_DTYPES
 
 _CODE_STEP = 256  # code slots added at a time for per-token codecs (block codecs grow one block at a time)
 _TAIL_STEP = 16  # exact tail slots added at a time (the tail holds under trim_headroom + one block per row)
@@ -52,7 +53,7 @@ def _round_up(n: int, step: int) -> int:
 
 def _fold(a: mx.array) -> mx.array:
     """``(B, H, ...)`` -> ``(1, B*H, ...)``: codecs then treat every (sequence, head) as a head of their own."""
-    return a.reshape((1, a.shape[0] * a.shape[1]) + tuple(a.shape[2:]))
+    return a if a.shape[0] == 1 else a.reshape((1, a.shape[0] * a.shape[1]) + tuple(a.shape[2:]))
 
 
 def _column(values: Sequence[int]) -> mx.array:
@@ -62,6 +63,13 @@ def _column(values: Sequence[int]) -> mx.array:
 # (options, k_dim, v_dim, heads) -> per codec (RowCodes layout, unfitted per-head arrays): probing costs two encodes
 # and a fit per layer, which made merging a batch cost more than a decode step (mlx_lm merges at every join).
 _PROBES: Dict[tuple, tuple] = {}
+
+# Prompt chunks of several rows are attended in one call while the batch holds at most this many token slots
+# (rows x slots per row): their coded history is decoded at once (float32, 1.5 KiB per slot and layer at 3 KV
+# heads of 64), so longer batches keep the row loop's one-row-at-a-time memory.
+BATCHED_CHUNK_TOKENS = 8192
+
+_ONE_TOKEN = (1, None, None, None)  # `_chunk` after a decode step: only its length is read
 
 _last_masks = (None, None)  # (key, folded part masks): every layer of one decode step has the same rows
 
@@ -96,6 +104,14 @@ class RowCodes:
         self.arrays: Dict[str, mx.array] = {}
         self.capacity = 0
 
+    @property
+    def arrays(self) -> Dict[str, mx.array]:
+        return self._arrays
+
+    @arrays.setter
+    def arrays(self, value: Dict[str, mx.array]) -> None:
+        self._arrays = value
+        self._folded = None  # (n, views) of `folded`: views of the arrays just replaced
     @staticmethod
     def probe_layout(codec, heads: int) -> dict:
         """field -> (token axis, units per block, shape of one row's block, dtype), from two probe encodings."""
@@ -131,12 +147,14 @@ class RowCodes:
     def write_row(self, row: int, start: int, codes: Dict[str, mx.array]) -> None:
         """Row ``row``'s slots from ``start`` get ``codes`` (one row, whole blocks)."""
         n = self.codec.n_tokens(codes)
+        self._folded = None
         for f, a in codes.items():
             self.arrays[f][self._index(f, row, start, start + n)] = a
 
     def put_rows(self, starts: Sequence[int], codes: Dict[str, mx.array]) -> None:
         """Every row r gets its one block of ``codes`` (B rows) at slot ``starts[r]``: one scatter per field."""
         first = _column([s // self.block for s in starts])
+        self._folded = None
         for f, a in codes.items():
             axis, units, _, _ = self.layout[f]
             shape = [1] * a.ndim
@@ -145,9 +163,14 @@ class RowCodes:
             self.arrays[f] = mx.put_along_axis(self.arrays[f], mx.broadcast_to(idx, a.shape), a, axis=axis)
 
     def folded(self, n: int) -> Dict[str, mx.array]:
-        """The first ``n`` slots of every row, folded to ``(1, B*H, ...)`` (a view when ``n`` is the capacity)."""
+        """The first ``n`` slots of every row, folded to ``(1, B*H, ...)`` (views; kept until the arrays change:
+        every decode step reads them, and they change only when a block is coded)."""
+        if self._folded is not None and self._folded[0] == n:
+            return self._folded[1]
         arrays = {f: _fold(a) for f, a in self.arrays.items()}
-        return arrays if n == self.capacity else self.codec.slice_tokens(arrays, 0, n)
+        arrays = arrays if n == self.capacity else self.codec.slice_tokens(arrays, 0, n)
+        self._folded = (n, arrays)
+        return arrays
 
     def row_view(self, i: int, start: int, stop: int) -> Dict[str, mx.array]:
         """Row ``i``'s slots ``[start, stop)`` ``(1, H, ...)`` (views)."""
@@ -182,6 +205,8 @@ class TurboQuantBatchPackedCache(PipelineDependency, _BaseCache):
     ``BatchKVCache``); ``left_padding`` the pad slots before each row's tail.
     """
 
+    _BATCHED_CHUNKS = True  # prompt chunks of several rows in one attention (`_attend_chunk_batched`)
+
     def __init__(self, options, batch_size: int, fetch_placeholders: bool = True):
         if options.recent:
             raise ValueError(f"recent must be 0 to batch packed caches (exact windows are not batched yet), got "
@@ -198,6 +223,7 @@ class TurboQuantBatchPackedCache(PipelineDependency, _BaseCache):
         self.dims: Optional[tuple] = None
         self.heads = 0
         self.sink: Optional[Dict[str, mx.array]] = None  # {"k", "v"}: (B, H, S, d)
+        self._sink_views = None  # (sink k, sink v, S, folded part): `_sink_part`
         self.k_codes = self.v_codes = None  # RowCodes
         self.tail = TokenStore(_TAIL_STEP)
         self._base = None  # (key codec, value codec), unfitted, per sequence
@@ -315,6 +341,7 @@ class TurboQuantBatchPackedCache(PipelineDependency, _BaseCache):
             codec.load_fitted({name: mx.concatenate([r[name] for r in fits[n]], axis=0) for name in names})
         self.tail.load(tail)
         self._set_lengths(self.lengths)
+        self._sink_views = None  # the sink was written in place above
 
     def _row_arrays(self, folded, i: int) -> Dict[str, mx.array]:
         H = self.heads
@@ -358,6 +385,15 @@ class TurboQuantBatchPackedCache(PipelineDependency, _BaseCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Store ``keys``/``values`` ``(B, H, T, d)`` (pad tokens per `prepare` skipped); returns placeholders of
         the stored history's shape (attention runs in `attend_packed`)."""
+        dims, B, H = self.dims, self.B, self.heads
+        if (type(keys) is mx.array and type(values) is mx.array and dims is not None and keys.shape == (B, H, 1, dims[0])
+                and values.shape == (B, H, 1, dims[1]) and keys.dtype in FLOAT_DTYPES and values.dtype in FLOAT_DTYPES
+                and self._dependency is None and _hook.is_active()):
+            # A decode step (~30 per token): the checks below in one comparison of shapes.
+            self._append(keys, values)
+            S, C, L = self._part_sizes()
+            return (_hook.placeholder_history((B, H, S + C + L, dims[0]), keys.dtype),
+                    _hook.placeholder_history((B, H, S + C + L, dims[1]), values.dtype))
         if not _hook.is_active():
             raise ValueError(f"{type(self).__name__} attends only from its codes: batch (batch_generate, "
                              "BatchGenerator, mlx_lm.server) on a model after veloxquant_mlx.enable(model), or inside "
@@ -388,10 +424,10 @@ class TurboQuantBatchPackedCache(PipelineDependency, _BaseCache):
             # general path below does for it, without its per-row bookkeeping lists.
             self.tail.append({"k": keys, "v": values})
             self.tail_n = [t + 1 for t in self.tail_n]
-            self._code_tail()
-            before = self.lengths
-            self._set_lengths([n + 1 for n in before])
-            self._chunk = (1, [0] * self.B, [1] * self.B, before)
+            if max(self.tail_n) >= self.options.trim_headroom + self._block:  # some row has a block to code
+                self._code_tail()
+            self._set_lengths([n + 1 for n in self.lengths])
+            self._chunk = _ONE_TOKEN
             return
         lead, real = self._counts(T)
         if self._pending is not None:
@@ -506,8 +542,7 @@ class TurboQuantBatchPackedCache(PipelineDependency, _BaseCache):
         S, C, L = self._part_sizes()
         parts: List[Any] = []
         if S:
-            k, v = (self.sink[n] if S == self.sink[n].shape[2] else self.sink[n][:, :, :S] for n in "kv")
-            parts.append(ExactPart(_fold(k), _fold(v)))
+            parts.append(self._sink_part(S))
         if C:
             parts.append(CodedPart(self.k_codec, self.k_codes.folded(C), self.v_codec, self.v_codes.folded(C)))
         if L:
@@ -516,6 +551,17 @@ class TurboQuantBatchPackedCache(PipelineDependency, _BaseCache):
                 t = {n: a[:, :, :L] for n, a in t.items()}
             parts.append(ExactPart(t["k"], t["v"]))
         return parts
+
+    def _sink_part(self, S: int) -> ExactPart:
+        """The sink's first ``S`` slots, folded; kept while the sink arrays are the same objects (they are replaced,
+        never written in place, after `merge` built them)."""
+        k, v = self.sink["k"], self.sink["v"]
+        last = self._sink_views
+        if last is not None and last[0] is k and last[1] is v and last[2] == S:
+            return last[3]
+        part = ExactPart(*(_fold(a if S == a.shape[2] else a[:, :, :S]) for a in (k, v)))
+        self._sink_views = (k, v, S, part)
+        return part
 
     def part_masks(self) -> Optional[List[Optional[mx.array]]]:
         """One entry per `attention_parts` part: bool ``(B, 1, 1, n)``, True on each row's stored tokens, or None
@@ -558,6 +604,9 @@ class TurboQuantBatchPackedCache(PipelineDependency, _BaseCache):
             raise ValueError(f"queries have batch size {B}, but this cache holds {self.B} sequences")
         if L > 1:
             return self._attend_chunk(queries, scale, sinks)
+        if B == 1:  # one sequence: nothing to fold, and no pad slot unless its tail has some
+            masks = None if self.tail.length == self.tail_n[0] and not self.start[0] else _folded_part_masks(self)
+            return attend_one_query(queries, self.attention_parts(), scale, sinks, masks)
         if sinks is not None:
             sinks = mx.tile(sinks.reshape(-1), (B,))
         out = attend_one_query(queries.reshape(1, B * Hq, 1, d), self.attention_parts(), scale, sinks,
@@ -567,10 +616,13 @@ class TurboQuantBatchPackedCache(PipelineDependency, _BaseCache):
     def _attend_chunk(self, queries: mx.array, scale: float, sinks) -> mx.array:
         """A prompt chunk, one sequence at a time (prefill, not the decode step): each row's real queries against
         its own parts, causal, exactly as alone; pad queries get zeros."""
-        T, lead, real, _ = self._chunk
+        T = self._chunk[0] if self._chunk is not None else None
         if queries.shape[2] != T:
             raise ValueError(f"queries must be the last update's {T} tokens or a single one, got L={queries.shape[2]}")
+        _, lead, real, _ = self._chunk
         B, Hq, _, _ = queries.shape
+        if B > 1 and self._BATCHED_CHUNKS and B * sum(self._part_sizes()) <= BATCHED_CHUNK_TOKENS:
+            return self._attend_chunk_batched(queries, scale, sinks)
         outs = []
         for i in range(B):
             a, r = lead[i], real[i]
@@ -583,6 +635,46 @@ class TurboQuantBatchPackedCache(PipelineDependency, _BaseCache):
                                   mx.zeros((1, Hq, T - a - r, dv), queries.dtype) if T - a - r else None) if x is not None]
             outs.append(pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2))
         return mx.concatenate(outs, axis=0)
+
+    def _attend_chunk_batched(self, queries: mx.array, scale: float, sinks) -> mx.array:
+        """A prompt chunk for every row at once: the coded tokens decoded once (folded, with each row's fitted
+        parameters), then one attention over ``[sink | decoded | tail]`` with each row's causal mask built from
+        its tokens' positions (pad slots and other rows' positions never visible); pad queries get zeros. The
+        row loop's result up to float rounding (the decode step's too), with ~75 fewer operations per row."""
+        T, lead, real, before = self._chunk
+        B, H = self.B, self.heads
+        S, C, L = self._part_sizes()
+        keys, values, positions, valid = [], [], [], []
+        if S:
+            slot = mx.arange(S, dtype=mx.int32)[None]
+            keys.append(self.sink["k"][:, :, :S])
+            values.append(self.sink["v"][:, :, :S])
+            positions.append(mx.broadcast_to(slot, (B, S)))
+            valid.append(slot < _column(self.sink_n).reshape(B, 1))
+        if C:
+            slot = mx.arange(C, dtype=mx.int32)[None]
+            for codec, store, out in ((self.k_codec, self.k_codes, keys), (self.v_codec, self.v_codes, values)):
+                x = codec.decode(store.folded(C), mx.float32)  # (1, B*H, C, d)
+                out.append(x.reshape(B, H, C, x.shape[-1]))
+            positions.append(slot + _column(self.sink_n).reshape(B, 1))
+            valid.append((slot >= _column(self.start).reshape(B, 1)) & (slot < _column(self.coded).reshape(B, 1)))
+        if L:
+            slot = mx.arange(L, dtype=mx.int32)[None]
+            tail = self.tail.view()
+            keys.append(tail["k"])
+            values.append(tail["v"])
+            positions.append(slot + _column(self.lengths).reshape(B, 1) - L)
+            valid.append(slot >= L - _column(self.tail_n).reshape(B, 1))
+        cat = lambda xs: xs[0] if len(xs) == 1 else mx.concatenate(xs, axis=-1 if xs[0].ndim == 2 else 2)  # noqa: E731
+        k_all, v_all, k_pos, k_ok = cat(keys), cat(values), cat(positions), cat(valid)  # (B, H, N, d), (B, N)
+        t = mx.arange(T, dtype=mx.int32)[None]
+        lead_c = mx.array(lead, dtype=mx.int32)[:, None]
+        q_pos = t - lead_c + mx.array(before, dtype=mx.int32)[:, None]  # (B, T) token index of each query
+        q_ok = (t >= lead_c) & (t < lead_c + mx.array(real, dtype=mx.int32)[:, None])
+        # A pad query sees every stored token of its row (never a fully masked row); its output is zeroed below.
+        mask = k_ok[:, None, :] & ((k_pos[:, None, :] <= q_pos[:, :, None]) | ~q_ok[:, :, None])  # (B, T, N)
+        out = packed_attention(queries, [ExactPart(k_all, v_all)], scale, mask[:, None], sinks=sinks)
+        return mx.where(q_ok[:, None, :, None], out, mx.zeros((), out.dtype))
 
     def _chunk_mask(self, i: int):
         """Row ``i``'s mask for its real queries of the last chunk, as its cache alone gets it from mlx_lm."""
@@ -741,6 +833,7 @@ class TurboQuantBatchPackedCache(PipelineDependency, _BaseCache):
         new.lengths, new.sink_n, new.coded, new.tail_n, new.fitted, new.start = (
             list(x) for x in (self.lengths, self.sink_n, self.coded, self.tail_n, self.fitted, self.start))
         new.tail = self.tail.copy()
+        new._sink_views = None
         if self.sink is not None:
             new.sink = {n: mx.array(a) for n, a in self.sink.items()}
         if self.dims is not None:
@@ -782,6 +875,8 @@ class TurboQuantBatchRotatingPackedCache(TurboQuantBatchPackedCache):
     @classmethod
     def _from_first(cls, first, n: int):
         return cls(first.options, n, first.max_size, first.keep, first.fetch_placeholders)
+
+    _BATCHED_CHUNKS = False  # each row's chunk mask is its own window (`_chunk_mask`): the row loop
 
     def _append(self, keys: mx.array, values: mx.array) -> None:
         _, real = self._counts(keys.shape[2])

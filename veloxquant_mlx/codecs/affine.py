@@ -18,7 +18,8 @@ from typing import Dict, Optional
 
 import mlx.core as mx
 
-from veloxquant_mlx.codecs._common import PerTokenLayout, clamp_to, f32, finite_channel_mean, packed_matmul_ok
+from veloxquant_mlx.codecs._common import PerTokenLayout, clamp_all_to, clamp_to, f32, finite_channel_mean, packed_matmul_ok
+from veloxquant_mlx.codecs._dequant import dequantize
 from veloxquant_mlx.rotation import ROTATION_KINDS, make_rotation
 from veloxquant_mlx.validate import check_bool, check_choice, check_heads, check_int
 
@@ -124,12 +125,17 @@ class AffineRotatedCodec(PerTokenLayout):
         """``(B, H, T, d)`` -> ``{"w_q": uint32 (B,H,T,d*bits/32), "scales"/"biases": (B,H,T,d/group)}``."""
         check_heads("x", x, self.d)
         w_q, scales, biases = mx.quantize(self.rotate(x), group_size=self.group_size, bits=self.bits)
-        return {"w_q": w_q, "scales": self.store_scale(scales), "biases": self.store_scale(biases)}
+        scales, biases = self.store_scales(scales, biases)
+        return {"w_q": w_q, "scales": scales, "biases": biases}
 
     def store_scale(self, s: mx.array) -> mx.array:
         """Scales / biases in their storage dtype; clamped into float16's range (rotated coordinates of inputs
         near ±65504 can exceed it), so a code never holds inf."""
         return clamp_to(s, self.scale_dtype)
+
+    def store_scales(self, *arrays: mx.array) -> tuple:
+        """`store_scale` of each array (one fused kernel for all of them)."""
+        return clamp_all_to(self.scale_dtype, *arrays)
 
     def _affine(self, codes: Dict[str, mx.array]):
         """(w_q, scales, biases) as MLX's affine format reads them (a subclass may derive them from other fields)."""
@@ -141,7 +147,7 @@ class AffineRotatedCodec(PerTokenLayout):
     def decode_rotated(self, codes: Dict[str, mx.array]) -> mx.array:
         """Stored arrays of n tokens -> float32 ``(B, H, n, d)`` reconstruction of ``Pi (x - mu)``."""
         w, s, b = self._affine(codes)
-        return mx.dequantize(w, f32(s), f32(b), group_size=self.group_size, bits=self.bits)
+        return dequantize(w, s, b, self.group_size, self.bits)
 
     def decode(self, codes: Dict[str, mx.array], dtype) -> mx.array:
         xf = self.rotation.invert(self.decode_rotated(codes))

@@ -21,6 +21,7 @@ from typing import Dict, Optional, Sequence
 import mlx.core as mx
 
 from veloxquant_mlx.codecs._common import clamp_to, f32, packed_matmul_ok
+from veloxquant_mlx.codecs._dequant import dequantize
 from veloxquant_mlx.codecs._stores import ColumnStore
 from veloxquant_mlx.codecs.affine import FIELDS, AffineRotatedCodec
 from veloxquant_mlx.validate import check_heads
@@ -57,7 +58,8 @@ class AffineBlockKeyCodec(AffineRotatedCodec):
         if self.mean is not None:
             # Fold Pi mu back in: per channel c, every token of the group shares the offset (Pi mu)_c.
             biases = biases + self.rotation.apply(self.mean)[None, :, :, None]  # (1, H, d, 1)
-        return {"w_q": w_q, "scales": self.store_scale(scales), "biases": self.store_scale(biases)}
+        scales, biases = self.store_scales(scales, biases)
+        return {"w_q": w_q, "scales": scales, "biases": biases}
 
     def check_codes(self, codes: Dict[str, mx.array], name: str) -> None:
         missing = [f for f in FIELDS if f not in codes]
@@ -72,8 +74,7 @@ class AffineBlockKeyCodec(AffineRotatedCodec):
     def decode_rotated(self, codes: Dict[str, mx.array]) -> mx.array:
         """Stored arrays -> float32 ``(B, H, n, d)`` reconstruction of ``Pi x`` (the mean is in the biases)."""
         self.check_codes(codes, "codes")
-        y = mx.dequantize(codes["w_q"], f32(codes["scales"]), f32(codes["biases"]),
-                          group_size=self.block, bits=self.bits)  # (B, H, d, n)
+        y = dequantize(codes["w_q"], codes["scales"], codes["biases"], self.block, self.bits)  # (B, H, d, n)
         return mx.swapaxes(y, -1, -2)
 
     def decode(self, codes: Dict[str, mx.array], dtype) -> mx.array:

@@ -61,7 +61,8 @@ class AffineBlockKVCodec(AffineBlockKeyCodec):
         w_q, scales, biases = self.quantize(mx.swapaxes(self.rotate(x), -1, -2))
         if self.mean is not None:  # fold Pi mu back in: every token of a channel's group shares the offset
             biases = biases + self.rotation.apply(self.mean)[None, :, :, None]  # (1, H, d, 1)
-        return {"w_q": w_q, "scales": self.store_scale(scales), "biases": self.store_scale(biases)}
+        scales, biases = self.store_scales(scales, biases)
+        return {"w_q": w_q, "scales": scales, "biases": biases}
 
     def quantize(self, y: mx.array) -> Tuple[mx.array, mx.array, mx.array]:
         """``(B, H, d, n)`` rotated channels -> MLX affine ``(w_q, scales, biases)``, groups along tokens."""
