@@ -64,11 +64,6 @@ def _column(values: Sequence[int]) -> mx.array:
 # and a fit per layer, which made merging a batch cost more than a decode step (mlx_lm merges at every join).
 _PROBES: Dict[tuple, tuple] = {}
 
-# Prompt chunks of several rows are attended in one call while the batch holds at most this many token slots
-# (rows x slots per row): their coded history is decoded at once (float32, 1.5 KiB per slot and layer at 3 KV
-# heads of 64), so longer batches keep the row loop's one-row-at-a-time memory.
-BATCHED_CHUNK_TOKENS = 8192
-
 _ONE_TOKEN = (1, None, None, None)  # `_chunk` after a decode step: only its length is read
 
 _last_masks = (None, None)  # (key, folded part masks): every layer of one decode step has the same rows
@@ -204,8 +199,6 @@ class TurboQuantBatchPackedCache(PipelineDependency, _BaseCache):
     ``offset`` is the ``(B,)`` int32 array of each sequence's token count (RoPE positions, as mlx_lm's
     ``BatchKVCache``); ``left_padding`` the pad slots before each row's tail.
     """
-
-    _BATCHED_CHUNKS = True  # prompt chunks of several rows in one attention (`_attend_chunk_batched`)
 
     def __init__(self, options, batch_size: int, fetch_placeholders: bool = True):
         if options.recent:
@@ -621,8 +614,6 @@ class TurboQuantBatchPackedCache(PipelineDependency, _BaseCache):
             raise ValueError(f"queries must be the last update's {T} tokens or a single one, got L={queries.shape[2]}")
         _, lead, real, _ = self._chunk
         B, Hq, _, _ = queries.shape
-        if B > 1 and self._BATCHED_CHUNKS and B * sum(self._part_sizes()) <= BATCHED_CHUNK_TOKENS:
-            return self._attend_chunk_batched(queries, scale, sinks)
         outs = []
         for i in range(B):
             a, r = lead[i], real[i]
@@ -635,46 +626,6 @@ class TurboQuantBatchPackedCache(PipelineDependency, _BaseCache):
                                   mx.zeros((1, Hq, T - a - r, dv), queries.dtype) if T - a - r else None) if x is not None]
             outs.append(pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2))
         return mx.concatenate(outs, axis=0)
-
-    def _attend_chunk_batched(self, queries: mx.array, scale: float, sinks) -> mx.array:
-        """A prompt chunk for every row at once: the coded tokens decoded once (folded, with each row's fitted
-        parameters), then one attention over ``[sink | decoded | tail]`` with each row's causal mask built from
-        its tokens' positions (pad slots and other rows' positions never visible); pad queries get zeros. The
-        row loop's result up to float rounding (the decode step's too), with ~75 fewer operations per row."""
-        T, lead, real, before = self._chunk
-        B, H = self.B, self.heads
-        S, C, L = self._part_sizes()
-        keys, values, positions, valid = [], [], [], []
-        if S:
-            slot = mx.arange(S, dtype=mx.int32)[None]
-            keys.append(self.sink["k"][:, :, :S])
-            values.append(self.sink["v"][:, :, :S])
-            positions.append(mx.broadcast_to(slot, (B, S)))
-            valid.append(slot < _column(self.sink_n).reshape(B, 1))
-        if C:
-            slot = mx.arange(C, dtype=mx.int32)[None]
-            for codec, store, out in ((self.k_codec, self.k_codes, keys), (self.v_codec, self.v_codes, values)):
-                x = codec.decode(store.folded(C), mx.float32)  # (1, B*H, C, d)
-                out.append(x.reshape(B, H, C, x.shape[-1]))
-            positions.append(slot + _column(self.sink_n).reshape(B, 1))
-            valid.append((slot >= _column(self.start).reshape(B, 1)) & (slot < _column(self.coded).reshape(B, 1)))
-        if L:
-            slot = mx.arange(L, dtype=mx.int32)[None]
-            tail = self.tail.view()
-            keys.append(tail["k"])
-            values.append(tail["v"])
-            positions.append(slot + _column(self.lengths).reshape(B, 1) - L)
-            valid.append(slot >= L - _column(self.tail_n).reshape(B, 1))
-        cat = lambda xs: xs[0] if len(xs) == 1 else mx.concatenate(xs, axis=-1 if xs[0].ndim == 2 else 2)  # noqa: E731
-        k_all, v_all, k_pos, k_ok = cat(keys), cat(values), cat(positions), cat(valid)  # (B, H, N, d), (B, N)
-        t = mx.arange(T, dtype=mx.int32)[None]
-        lead_c = mx.array(lead, dtype=mx.int32)[:, None]
-        q_pos = t - lead_c + mx.array(before, dtype=mx.int32)[:, None]  # (B, T) token index of each query
-        q_ok = (t >= lead_c) & (t < lead_c + mx.array(real, dtype=mx.int32)[:, None])
-        # A pad query sees every stored token of its row (never a fully masked row); its output is zeroed below.
-        mask = k_ok[:, None, :] & ((k_pos[:, None, :] <= q_pos[:, :, None]) | ~q_ok[:, :, None])  # (B, T, N)
-        out = packed_attention(queries, [ExactPart(k_all, v_all)], scale, mask[:, None], sinks=sinks)
-        return mx.where(q_ok[:, None, :, None], out, mx.zeros((), out.dtype))
 
     def _chunk_mask(self, i: int):
         """Row ``i``'s mask for its real queries of the last chunk, as its cache alone gets it from mlx_lm."""
@@ -875,8 +826,6 @@ class TurboQuantBatchRotatingPackedCache(TurboQuantBatchPackedCache):
     @classmethod
     def _from_first(cls, first, n: int):
         return cls(first.options, n, first.max_size, first.keep, first.fetch_placeholders)
-
-    _BATCHED_CHUNKS = False  # each row's chunk mask is its own window (`_chunk_mask`): the row loop
 
     def _append(self, keys: mx.array, values: mx.array) -> None:
         _, real = self._counts(keys.shape[2])
