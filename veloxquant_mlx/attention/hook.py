@@ -68,7 +68,7 @@ def placeholder_history(shape, dtype) -> mx.array:
 
     For ``update_and_fetch`` while the hook is active: mlx_lm passes it on to SDPA, which the hook
     sends to ``cache.attend_packed`` instead, so the history is never dequantized. Consecutive calls with one
-    shape get the same array (never written, never evaluated: safe to share).
+    shape get the same array (read-only, nothing depends on it: safe to share).
     """
     shape = tuple(shape)
     key = (len(shape), dtype)

@@ -107,6 +107,7 @@ class RowCodes:
     def arrays(self, value: Dict[str, mx.array]) -> None:
         self._arrays = value
         self._folded = None  # (n, views) of `folded`: views of the arrays just replaced
+
     @staticmethod
     def probe_layout(codec, heads: int) -> dict:
         """field -> (token axis, units per block, shape of one row's block, dtype), from two probe encodings."""
