@@ -272,6 +272,23 @@ def test_sliding_window_batch_drops_evicted_slots():
         _states_equal(batch.extract(i), c)
 
 
+def test_a_chunk_query_without_a_stored_chunk_is_refused_clearly():
+    """Queries of several tokens attend the chunk just stored; a freshly merged batch (holding restored tokens) has
+    none: a ValueError naming the queries, not a TypeError from unpacking nothing."""
+    options = CONFIGS["affine_block-k8v4"]
+    alone = []
+    with hook.use_packed_attention():
+        for i, n in enumerate((30, 90)):
+            c = TurboQuantPackedCache(options)
+            c.update_and_fetch(*_stream(n, seed=i))
+            alone.append(c)
+        batch = TurboQuantPackedCache.merge(alone)
+        q = mx.zeros((2, 2 * H, 3, D))
+        with pytest.raises(ValueError, match="queries of L=3"):
+            batch.attend_packed(q, D ** -0.5, "causal")
+        assert batch.attend_packed(q[:, :, :1], D ** -0.5, None).shape == (2, 2 * H, 1, D)
+
+
 def test_refusals_are_clear():
     with pytest.raises(ValueError, match="sink must equal keep"):
         TurboQuantRotatingPackedCache.merge([TurboQuantRotatingPackedCache(max_size=8, keep=4, codec="affine")])

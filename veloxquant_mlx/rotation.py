@@ -122,8 +122,7 @@ class Rotation:
     def apply(self, x: mx.array) -> mx.array:
         """``(..., d) -> (..., d)``: Pi x for every vector."""
         x = mx.array(x) if not isinstance(x, mx.array) else x
-        if x.shape[-1] != self.d:
-            self._check(x, "x")
+        self._check(x, "x")
         if x.dtype != mx.float32:  # (skipped when already float32: decode calls this twice per layer)
             x = x.astype(mx.float32)
         if self.kind == "haar":
@@ -133,8 +132,7 @@ class Rotation:
     def invert(self, y: mx.array) -> mx.array:
         """``(..., d) -> (..., d)``: Pi^T y for every vector (inverse of apply)."""
         y = mx.array(y) if not isinstance(y, mx.array) else y
-        if y.shape[-1] != self.d:
-            self._check(y, "y")
+        self._check(y, "y")
         if y.dtype != mx.float32:
             y = y.astype(mx.float32)
         if self.kind == "haar":

@@ -41,7 +41,7 @@ class TokenStore:
                 f"chunk holds arrays {sorted(chunk)}, the store holds {sorted(self.buffers)}"
             )
         prev, end = self.length, self.length + n_new
-        if not buffers or end > next(iter(buffers.values())).shape[TOKEN_AXIS]:
+        if not buffers or end > self.capacity:
             # Grow like mlx_lm's KVCache: keep the live prefix, add whole steps of zeros.
             new_cap = _round_up(end, self.step)
             grown = {}

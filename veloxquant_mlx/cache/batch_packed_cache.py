@@ -610,7 +610,10 @@ class TurboQuantBatchPackedCache(PipelineDependency, _BaseCache):
     def _attend_chunk(self, queries: mx.array, scale: float, sinks) -> mx.array:
         """A prompt chunk, one sequence at a time (prefill, not the decode step): each row's real queries against
         its own parts, causal, exactly as alone; pad queries get zeros."""
-        T = self._chunk[0] if self._chunk is not None else None
+        if self._chunk is None:
+            raise ValueError(f"queries of L={queries.shape[2]} > 1 tokens must be the chunk update_and_fetch just "
+                             "stored, but this batch stored none since it was built, filtered or extended")
+        T = self._chunk[0]
         if queries.shape[2] != T:
             raise ValueError(f"queries must be the last update's {T} tokens or a single one, got L={queries.shape[2]}")
         _, lead, real, _ = self._chunk

@@ -19,6 +19,8 @@ import threading
 
 import mlx.core as mx
 
+from veloxquant_mlx.codecs._common import f32
+
 FUSED_BITS = (2, 4, 8)
 
 
@@ -67,5 +69,4 @@ def dequantize(w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
             fn = _kernel(bits)
             if fn is not None:
                 return _run(fn, w, scales, biases, group_size, bits)
-    f32 = lambda a: a if a.dtype == mx.float32 else a.astype(mx.float32)  # noqa: E731
     return mx.dequantize(w, f32(scales), f32(biases), group_size=group_size, bits=bits)

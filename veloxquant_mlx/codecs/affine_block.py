@@ -20,7 +20,7 @@ from typing import Dict, Optional, Sequence
 
 import mlx.core as mx
 
-from veloxquant_mlx.codecs._common import clamp_to, f32, packed_matmul_ok
+from veloxquant_mlx.codecs._common import clamp_to, packed_matmul_ok
 from veloxquant_mlx.codecs._dequant import dequantize
 from veloxquant_mlx.codecs._stores import ColumnStore
 from veloxquant_mlx.codecs.affine import FIELDS, AffineRotatedCodec
