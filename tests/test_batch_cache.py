@@ -152,7 +152,7 @@ def test_nan_in_pad_positions_changes_nothing(name):
     assert max(d_dirty) < 1e-5 and d_dirty == d_clean
     for i in range(len(lengths)):
         _states_equal(dirty.extract(i), clean.extract(i))
-    assert all(mx.all(mx.isfinite(a)).item() for a in dirty.state if mx.issubdtype(a.dtype, mx.floating))
+    assert all(mx.all(mx.isfinite(a)).item() for a in dirty._arrays() if mx.issubdtype(a.dtype, mx.floating))
 
 
 def test_filter_extend_and_extract_keep_every_row_exact():

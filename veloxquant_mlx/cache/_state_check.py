@@ -127,6 +127,151 @@ def restore_arrays(cache, state: Dict[str, Any], meta: Dict[str, Any]) -> None:
     rotating = hasattr(cache, "max_size")
     if (stored != meta["offset"]) if not rotating else (stored > meta["offset"]):
         raise _fail(cls, f"offset {meta['offset']} does not match the {stored} tokens stored")
+    if meta["stores"]["codes"] and not cache._fitted:  # codes are only readable with the parameters they were coded with
+        raise _fail(cls, f"{meta['stores']['codes']} coded tokens but no fitted codec arrays (kfit_* / vfit_*)")
     if expected["s_"] != min(cache.sink, meta["offset"]):
         raise _fail(cls, f"the sink holds {expected['s_']} tokens, expected min(sink={cache.sink}, offset)")
     cache.offset = meta["offset"]
+
+
+# -- batch caches ------------------------------------------------------------------------------------------
+_BATCH_FORMATS = (1,)
+
+
+def _count_list(cls, name: str, value, B: int) -> None:
+    if not (isinstance(value, list) and len(value) == B
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)):
+        raise _fail(cls, f"'meta' rows[{name!r}] must be {B} ints >= 0, got {value!r}")
+
+
+def read_batch_meta(cls, state) -> Tuple[Any, Dict[str, Any], Dict[str, Any]]:
+    """``(CacheOptions, constructor keyword arguments, meta dict)`` of a batch cache's ``state["meta"]``."""
+    from veloxquant_mlx.cache.options import CacheOptions
+
+    if not isinstance(state, dict) or not isinstance(state.get("meta"), str):
+        raise ValueError(f"{cls.__name__}.from_state expects the dict written by .state (with a 'meta' string), "
+                         f"got {type(state).__name__}")
+    try:
+        meta = json.loads(state["meta"])
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise _fail(cls, f"'meta' is not valid JSON ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") not in _BATCH_FORMATS:
+        got = meta.get("format") if isinstance(meta, dict) else meta
+        raise _fail(cls, f"unsupported format {got!r} (expected one of {_BATCH_FORMATS})")
+    if meta.get("class") != cls.__name__:
+        raise _fail(cls, f"it was written by {meta.get('class')!r}, not {cls.__name__!r}")
+    try:
+        options = CacheOptions.from_dict(meta["options"])
+        kwargs, dims, heads, rows = dict(meta["cache"]), meta["dims"], meta["heads"], meta["rows"]
+        mid_prompt = meta["mid_prompt"]
+    except (KeyError, TypeError, ValueError) as e:
+        raise _fail(cls, f"'meta' does not hold valid options ({e})") from None
+    if mid_prompt is not False:
+        raise _fail(cls, "it was saved in the middle of a prompt (between prepare and finalize); save it after "
+                         "finalize")
+    if dims is not None and not (isinstance(dims, list) and len(dims) == 2
+                                 and all(isinstance(d, int) and d > 0 for d in dims)):
+        raise _fail(cls, f"'meta' dims must be None or two positive ints, got {dims!r}")
+    if not isinstance(heads, int) or heads < 0 or (dims is not None) != (heads > 0):
+        raise _fail(cls, f"'meta' heads must be a positive int when dims are recorded (0 before), got {heads!r}")
+    if not isinstance(rows, dict) or set(rows) != set(cls._ROWS) | {"fitted"}:
+        raise _fail(cls, f"'meta' rows must hold {sorted(set(cls._ROWS) | {'fitted'})}, got {rows!r}")
+    B = len(rows["lengths"]) if isinstance(rows["lengths"], list) else -1
+    for name in cls._ROWS:
+        _count_list(cls, name, rows[name], B)
+    if not (isinstance(rows["fitted"], list) and len(rows["fitted"]) == B
+            and all(isinstance(f, bool) for f in rows["fitted"])):
+        raise _fail(cls, f"'meta' rows['fitted'] must be {B} booleans, got {rows['fitted']!r}")
+    return options, kwargs, meta
+
+
+def _take(cls, state: Dict[str, Any], prefix: str) -> Dict[str, mx.array]:
+    out = {n[len(prefix):]: a for n, a in state.items() if n.startswith(prefix)}
+    for n, a in out.items():
+        if not isinstance(a, mx.array):
+            raise _fail(cls, f"{prefix}{n} must be an mx.array, got {type(a).__name__}")
+    return out
+
+
+def restore_batch_arrays(batch, state: Dict[str, Any], meta: Dict[str, Any]) -> None:
+    """Check a batch ``state``'s arrays against its meta (shapes, dtypes, row counts within the stored slots) and
+    load them into ``batch`` (built with the meta's options and rows), so that `extract` can read every row."""
+    cls, rows, B = type(batch), meta["rows"], batch.B
+    names = set(state) - {"meta"}
+    if meta["dims"] is None:
+        if names or any(rows["lengths"]):
+            raise _fail(cls, f"no head dims recorded, yet it holds arrays {sorted(names)} / lengths {rows['lengths']}")
+        return
+    batch._setup(*meta["dims"], meta["heads"])
+    H, (dk, dv) = batch.heads, batch.dims
+    claimed = set()
+
+    def exact(prefix: str, what: str):
+        arrays = _take(cls, state, prefix)
+        claimed.update(prefix + n for n in arrays)
+        if not arrays:
+            return None, 0
+        _check_exact(cls, what, arrays, batch.dims)
+        if arrays["k"].shape[:2] != (B, H):
+            raise _fail(cls, f"the {what} window's arrays must hold (B, H) = ({B}, {H}), got "
+                             f"{tuple(arrays['k'].shape[:2])}")
+        return arrays, arrays["k"].shape[2]
+
+    sink, S = exact("s_", "sink")
+    if sink is not None and S != batch.options.sink:
+        raise _fail(cls, f"the sink arrays hold {S} slots, expected sink={batch.options.sink}")
+    tail, L = exact("t_", "tail")
+    capacity = None
+    for prefix, store in (("ck_", batch.k_codes), ("cv_", batch.v_codes)):
+        arrays = _take(cls, state, prefix)
+        claimed.update(prefix + n for n in arrays)
+        if not arrays:
+            cap = 0
+        else:
+            if set(arrays) != set(store.layout):
+                raise _fail(cls, f"arrays {prefix}* must be {sorted(store.layout)}, got {sorted(arrays)}")
+            cap = None
+            for f, (axis, units, shape, dtype) in store.layout.items():
+                a = arrays[f]
+                n = a.shape[axis] if a.ndim == len(shape) else -1
+                want = (B,) + tuple(shape[1:axis]) + (n,) + tuple(shape[axis + 1:])
+                if a.ndim != len(shape) or tuple(a.shape) != want or a.dtype != dtype or n % units:
+                    raise _fail(cls, f"array {prefix}{f} has shape {tuple(a.shape)} {a.dtype}, expected {want} "
+                                     f"{dtype} with a multiple of {units} on axis {axis}")
+                tokens = n // units * store.block
+                if cap not in (None, tokens):
+                    raise _fail(cls, f"arrays {prefix}* disagree on their token slots")
+                cap = tokens
+        if capacity not in (None, cap):
+            raise _fail(cls, f"key and value codes hold {capacity} and {cap} token slots")
+        capacity = cap
+        store.arrays, store.capacity = arrays, cap
+    for prefix, folded in (("kfit_", batch.k_codec), ("vfit_", batch.v_codec)):
+        arrays = _take(cls, state, prefix)
+        claimed.update(prefix + n for n in arrays)
+        placeholder = folded.fitted_arrays()
+        if set(arrays) != set(placeholder):
+            raise _fail(cls, f"fitted arrays {prefix}* must be {sorted(placeholder)}, got {sorted(arrays)}")
+        for n, a in arrays.items():
+            if tuple(a.shape) != tuple(placeholder[n].shape) or a.dtype != placeholder[n].dtype:
+                raise _fail(cls, f"fitted array {prefix}{n} has shape {tuple(a.shape)} {a.dtype}, expected "
+                                 f"{tuple(placeholder[n].shape)} {placeholder[n].dtype} (B*H rows)")
+        try:
+            folded.load_fitted(arrays)
+        except ValueError as e:
+            raise _fail(cls, f"{prefix}*: {e}") from None
+    unexpected = sorted(names - claimed)
+    if unexpected:
+        raise _fail(cls, f"unexpected arrays {unexpected}")
+    for i in range(B):
+        if rows["sink_n"][i] > S or rows["tail_n"][i] > L or not rows["start"][i] <= rows["coded"][i] <= capacity:
+            raise _fail(cls, f"row {i}'s counts (sink {rows['sink_n'][i]}, codes {rows['start'][i]}.."
+                             f"{rows['coded'][i]}, tail {rows['tail_n'][i]}) exceed the stored slots (sink {S}, "
+                             f"codes {capacity}, tail {L})")
+    batch.sink = sink
+    if tail is not None:
+        batch.tail.load(tail)
+    for name in cls._ROWS:
+        setattr(batch, name, list(rows[name]))
+    batch.fitted = list(rows["fitted"])
+    batch._set_lengths(batch.lengths)

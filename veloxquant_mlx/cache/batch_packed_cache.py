@@ -29,6 +29,7 @@ trip) is not batched (a clear error). `TurboQuantBatchRotatingPackedCache` batch
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any, Dict, List, Optional, Sequence
 
 import mlx.core as mx
@@ -44,6 +45,7 @@ from veloxquant_mlx.codecs import codec_layout
 from veloxquant_mlx.validate import FLOAT_DTYPES
 
 _CODE_STEP = 256  # code slots added at a time for per-token codecs (block codecs grow one block at a time)
+STATE_FORMAT = 1  # of a batch cache's ``state``
 _TAIL_STEP = 16  # exact tail slots added at a time (the tail holds under trim_headroom + one block per row)
 
 
@@ -773,15 +775,53 @@ class TurboQuantBatchPackedCache(PipelineDependency, _BaseCache):
         """Bytes of every array this batch holds (codes with their free slots, exact windows, fitted parameters)."""
         return sum(a.nbytes for a in self._arrays())
 
+    _ROWS = ("lengths", "sink_n", "coded", "tail_n", "start")  # per-row token counts, saved in the meta
+
     @property
-    def state(self):
-        """The arrays held (what mlx_lm evaluates between steps); batch caches are not saved: `extract` first."""
-        return self._arrays()
+    def state(self) -> Dict[str, Any]:
+        """Every array held, as stored (no copies: mlx_lm evaluates this between steps), and a JSON ``meta`` with
+        the options and each row's token counts; `from_state` rebuilds the batch from it."""
+        meta = {"format": STATE_FORMAT, "class": type(self).__name__, "options": self.options.to_dict(),
+                "cache": self._cache_meta(), "dims": list(self.dims) if self.dims else None, "heads": self.heads,
+                "rows": {**{n: list(getattr(self, n)) for n in self._ROWS}, "fitted": list(self.fitted)},
+                "mid_prompt": self._pending is not None or self._lead is not None}
+        out: Dict[str, Any] = {"meta": json.dumps(meta, sort_keys=True)}
+        if self.dims is None:
+            return out
+        for prefix, arrays in (("s_", self.sink or {}), ("t_", self.tail.view() if self.tail.length else {}),
+                               ("ck_", self.k_codes.arrays), ("cv_", self.v_codes.arrays),
+                               ("kfit_", self.k_codec.fitted_arrays()), ("vfit_", self.v_codec.fitted_arrays())):
+            out.update({prefix + n: a for n, a in arrays.items()})
+        return out
 
     @state.setter
-    def state(self, value):
-        raise ValueError(f"{type(self).__name__} cannot be restored from a state: save and load the per-sequence "
-                         "caches (extract(i)), then merge them")
+    def state(self, value) -> None:
+        restored = type(self).from_state(value)
+        self.__dict__.update(restored.__dict__)
+
+    def _cache_meta(self) -> Dict[str, Any]:
+        return {"fetch_placeholders": self.fetch_placeholders}
+
+    @classmethod
+    def from_state(cls, state, meta_state=None):
+        """Rebuild a batch from its ``state``. Each row is read out as the per-sequence cache `extract` gives and
+        checked by that class's own `from_state` (so a batch believes no more than a sequence alone), then the rows
+        are merged: each continues exactly as it would have. Refuses, naming the array, what does not add up."""
+        from veloxquant_mlx.cache._state_check import read_batch_meta, restore_batch_arrays
+
+        options, kwargs, meta = read_batch_meta(cls, state)
+        batch = cls(options, len(meta["rows"]["lengths"]), **kwargs)
+        restore_batch_arrays(batch, state, meta)
+        if batch.dims is None or not batch.B:
+            return batch
+        single = cls._single_class()
+        rows = []
+        for i in range(batch.B):
+            try:
+                rows.append(single.from_state(batch.extract(i).state))
+            except ValueError as e:
+                raise ValueError(f"{cls.__name__} state: row {i}: {e}") from None
+        return cls.merge(rows)
 
     def __deepcopy__(self, memo):
         new = copy.copy(self)
@@ -856,6 +896,9 @@ class TurboQuantBatchRotatingPackedCache(TurboQuantBatchPackedCache):
         if real[i] > 1 and offset + real[i] > self.max_size:
             return create_causal_mask(real[i], offset, window_size=self.max_size)
         return "causal" if real[i] > 1 else None
+
+    def _cache_meta(self) -> Dict[str, Any]:
+        return {**super()._cache_meta(), "max_size": self.max_size, "keep": self.keep}
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None, **kwargs):
         if window_size not in (None, self.max_size):

@@ -198,7 +198,8 @@ class KVCacheBuilder:
             # Only tokens the window keeps forever (its ``keep`` prefix) can be exact sink tokens.
             changes = {"sink": min(options.sink, cache.keep)}
             if codec_layout(options.codec).keys.BLOCKED:  # block keys cannot be evicted a token at a time
-                changes["codec"] = "affine"
+                # a block codec's group_size is its key block in tokens, not a per-token group of coordinates
+                changes.update(codec="affine", group_size=None)
             return TurboQuantRotatingPackedCache(dataclasses.replace(options, **changes), max_size=cache.max_size,
                                                  keep=cache.keep, fetch_placeholders=placeholders)
         if kind is mlx_cache.CacheList:

@@ -34,10 +34,13 @@ SUFFIX = ".safetensors"
 
 
 def _our_classes():
+    from veloxquant_mlx.cache.batch_packed_cache import (TurboQuantBatchPackedCache,
+                                                         TurboQuantBatchRotatingPackedCache)
     from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache, TurboQuantRotatingPackedCache
     from veloxquant_mlx.cache.turboquant_rvq_cache import TurboQuantRVQKVCache
 
-    return (TurboQuantPackedCache, TurboQuantRotatingPackedCache, TurboQuantRVQKVCache)
+    return (TurboQuantPackedCache, TurboQuantRotatingPackedCache, TurboQuantRVQKVCache, TurboQuantBatchPackedCache,
+            TurboQuantBatchRotatingPackedCache)
 
 
 @contextlib.contextmanager

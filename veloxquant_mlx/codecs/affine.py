@@ -108,7 +108,9 @@ class AffineRotatedCodec(PerTokenLayout):
 
     def load_fitted(self, arrays: Dict[str, mx.array]) -> None:
         mean = arrays.get("mean")
-        if self.center and (mean is None or mean.ndim != 2 or mean.shape[1] != self.d):
+        if set(arrays) - {"mean"}:
+            raise ValueError(f"unexpected fitted arrays {sorted(set(arrays) - {'mean'})} (this codec fits only 'mean')")
+        if self.center and arrays and (mean is None or mean.ndim != 2 or mean.shape[1] != self.d):
             raise ValueError(f"fitted array 'mean' must be (H, {self.d}) for a centred codec, got "
                              f"{None if mean is None else tuple(mean.shape)}")
         self.mean = mean

@@ -37,7 +37,8 @@ class Codec(Protocol):
         """The fitted parameters as arrays (they travel with the codes, and count in a cache's bytes)."""
 
     def load_fitted(self, arrays: Codes) -> None:
-        """Inverse of `fitted_arrays` (validates shapes; raises ValueError naming the array)."""
+        """Inverse of `fitted_arrays` (validates shapes; raises ValueError naming the array). An empty dict
+        restores the codec unfitted (what `fitted_arrays` gives before the first `fit`)."""
 
     # -- coding ---------------------------------------------------------------------------------
     def encode(self, x: mx.array) -> Codes:

@@ -224,6 +224,10 @@ class LloydMaxCodec(PerTokenLayout):
 
     def load_fitted(self, arrays: Dict[str, mx.array]) -> None:
         mean, outliers = arrays.get("mean"), arrays.get("outliers")
+        if not arrays:  # saved before the first fit
+            self.mean = None
+            self.set_outliers(None)
+            return
         if self.center and (mean is None or mean.ndim != 2 or mean.shape[1] != self.d):
             raise ValueError(f"fitted array 'mean' must be (H, {self.d}) for a centred codec, got "
                              f"{None if mean is None else tuple(mean.shape)}")

@@ -8,6 +8,15 @@ NORM_DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.flo
 _FLOAT_DTYPES = {mx.float16: "float16", mx.bfloat16: "bfloat16", mx.float32: "float32", mx.float64: "float64"}
 
 
+class StoredNorms:
+    """``norm_dtype`` read from ``norm_dtype_name``: a quantizer then holds no ``mx.Dtype`` (which cannot be
+    pickled or deep-copied), so the standalone caches that hold one can be."""
+
+    @property
+    def norm_dtype(self):
+        return NORM_DTYPES[self.norm_dtype_name]
+
+
 def as_float_input(x, d: int, name: str = "x"):
     """Validate a ``(..., d)`` float input; returns (float32 mx.array, dtype name to decode to).
 

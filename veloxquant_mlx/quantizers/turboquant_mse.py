@@ -14,13 +14,13 @@ from ..core.context import EncodedVector
 from ..dsa.bit_pack import pack
 from ..rotation import ROTATION_KINDS, make_rotation
 from ..validate import check_choice, check_int
-from ._common import (NORM_DTYPES, as_float_input, as_query, check_encoded, scores, store_norms,
+from ._common import (NORM_DTYPES, StoredNorms, as_float_input, as_query, check_encoded, scores, store_norms,
                       to_output_dtype, unit_and_norm)
 
 CODEBOOK_KINDS = ("beta", "gaussian")
 
 
-class TurboQuantMSE:
+class TurboQuantMSE(StoredNorms):
     """MSE-optimal TurboQuant at ``b`` bits per coordinate.
 
     Args:
@@ -47,7 +47,6 @@ class TurboQuantMSE:
         self.rotation_kind = check_choice("rotation", rotation, ROTATION_KINDS)
         self.codebook_kind = check_choice("codebook", codebook, CODEBOOK_KINDS)
         self.norm_dtype_name = check_choice("norm_dtype", norm_dtype, NORM_DTYPES)
-        self.norm_dtype = NORM_DTYPES[norm_dtype]
         self.rotation = make_rotation(self.d, self.seed, self.rotation_kind)
         self.codebook: Codebook = lloyd_max_codebook(self.codebook_kind, self.b, d=self.d)
 

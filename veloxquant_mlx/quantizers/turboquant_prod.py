@@ -19,13 +19,13 @@ from ..core.context import EncodedVector
 from ..dsa.bit_pack import pack
 from ..rotation import ROTATION_KINDS, STREAM_QJL, make_rotation
 from ..validate import check_choice, check_int
-from ._common import (NORM_DTYPES, as_float_input, as_query, check_encoded, safe_norm, scores, store_norms,
+from ._common import (NORM_DTYPES, StoredNorms, as_float_input, as_query, check_encoded, safe_norm, scores, store_norms,
                       to_output_dtype, unit_and_norm)
 from .turboquant_mse import CODEBOOK_KINDS, TurboQuantMSE
 
 
 
-class TurboQuantProd:
+class TurboQuantProd(StoredNorms):
     """Inner-product-unbiased TurboQuant at ``b`` bits per coordinate (b-1 MSE bits + 1 QJL bit).
 
     Args:
@@ -46,7 +46,6 @@ class TurboQuantProd:
         self.rotation_kind = check_choice("rotation", rotation, ROTATION_KINDS)
         self.codebook_kind = check_choice("codebook", codebook, CODEBOOK_KINDS)
         self.norm_dtype_name = check_choice("norm_dtype", norm_dtype, NORM_DTYPES)
-        self.norm_dtype = NORM_DTYPES[norm_dtype]
         self.mse = (TurboQuantMSE(self.d, self.b - 1, self.seed, rotation, codebook, norm_dtype)
                     if self.b > 1 else None)
         self.rotation = self.mse.rotation if self.mse is not None else make_rotation(self.d, self.seed, rotation)

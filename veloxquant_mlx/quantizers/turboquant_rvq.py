@@ -14,11 +14,11 @@ from ..core.context import EncodedVector
 from ..dsa.bit_pack import pack
 from ..rotation import ROTATION_KINDS, make_rotation
 from ..validate import check_choice, check_int
-from ._common import (NORM_DTYPES, as_float_input, as_query, check_encoded, scores, store_norms,
+from ._common import (NORM_DTYPES, StoredNorms, as_float_input, as_query, check_encoded, scores, store_norms,
                       to_output_dtype, unit_and_norm)
 
 
-class TurboQuantRVQ:
+class TurboQuantRVQ(StoredNorms):
     """Two-stage TurboQuant at ``b`` bits per stage (2b bits per coordinate in all).
 
     Args: d (int >= 2), b (1..8), seed (int >= 0), rotation ("haar"|"hadamard"),
@@ -33,7 +33,6 @@ class TurboQuantRVQ:
         self.seed = check_int("seed", seed, 0)
         self.rotation_kind = check_choice("rotation", rotation, ROTATION_KINDS)
         self.norm_dtype_name = check_choice("norm_dtype", norm_dtype, NORM_DTYPES)
-        self.norm_dtype = NORM_DTYPES[norm_dtype]
         self.rotation = make_rotation(self.d, self.seed, self.rotation_kind)
         self.codebook1 = lloyd_max_codebook("gaussian", self.b, d=self.d)
         self.laplace_scale = mean_abs_residual(self.codebook1)
