@@ -124,6 +124,19 @@ def fill_from(cache, plain_cache):
         mx.eval(c.state)
 
 
+def machine() -> str:
+    """The CPU model and core count (what a speed ratio depends on; say it beside every figure)."""
+    import platform
+
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cores, {platform.system()}"
+
+
 def _num(x, width: int, digits: int, div: float = 1.0) -> str:
     return "-".rjust(width) if x is None else f"{x / div:{width}.{digits}f}"
 
@@ -238,7 +251,10 @@ def main(argv=None):
     for name in ("prompt", "chunk", "decode", "repeats"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
-    print(f"BLAS: {blas_name()}", flush=True)
+    print(f"BLAS: {blas_name()}; machine: {machine()}", flush=True)
+    if args.fill == "plain":
+        print("--fill plain is a DIAGNOSTIC mode (caches filled from the plain cache's keys, no real prefill): its "
+              "ratios are not what users run; quote the default --fill prefill", flush=True)
 
     model, tok = load_model(args.model)
     ids = corpus_tokens(tok)
@@ -313,7 +329,7 @@ def main(argv=None):
               "or peak for them)", end="")
     print(f"\nSmolLM2-135M, {args.prompt}-token prompt (chunks of {args.chunk}), decode {args.decode} tokens, "
           f"step: {args.repeats} x {args.decode} interleaved steps (1 / median); mlx_lm: median of {args.repeats} passes; "
-          f"peak over prefill + first mlx_lm pass; BLAS {blas_name()}")
+          f"peak over prefill + first mlx_lm pass; BLAS {blas_name()}; {machine()}")
     head = f"{'config':16s} {'prefill tok/s':>13s} {'x kv':>6s}"
     for lp in loops:
         head += f" {'decode[' + lp + ']':>14s} {'x kv':>6s}"
@@ -326,7 +342,7 @@ def main(argv=None):
     if "step" in loops:
         print_paired(rows)
     out = {"model": args.model, "prompt": args.prompt, "chunk": args.chunk, "decode": args.decode, "fill": args.fill,
-           "repeats": args.repeats, "loops": loops, "blas": blas_name(), "rows": rows}
+           "repeats": args.repeats, "loops": loops, "blas": blas_name(), "machine": machine(), "rows": rows}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=2)

@@ -156,3 +156,17 @@ def test_nan_in_one_token_stays_in_that_token():
     finite = mx.isfinite(later).all(axis=(0, 1, 3))
     assert not bool(finite[0]) and bool(mx.all(finite[1:]))  # the NaN token only
     assert copy.deepcopy(cache).offset == 72
+
+
+@pytest.mark.parametrize("method,readable", [("turboquant_mse", True), ("turboquant_prod", False)])
+def test_format_2_states_load_except_prod_codes_of_the_old_sketch(method, readable):
+    cache = TurboQuantPackedCache(**{**OPTIONS["lloyd_max"], "method": method})
+    cache.update_and_fetch(*kv(100))
+    old = with_meta(cache.state, format=2)
+    if readable:
+        restored = TurboQuantPackedCache.from_state(old)
+        for a, b in zip(restored._fetch(mx.float32), cache._fetch(mx.float32)):
+            assert mx.array_equal(a, b)
+    else:
+        with pytest.raises(ValueError, match="turboquant_prod codes of format 2"):
+            TurboQuantPackedCache.from_state(old)

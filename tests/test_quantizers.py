@@ -57,11 +57,11 @@ def test_prod_unbiased_and_variance(unit_vectors, d, b):
     # unbiased: mean over queries per vector gives N independent samples
     per_vec = err.mean(axis=0)
     assert abs(per_vec.mean()) < 3 * per_vec.std(ddof=1) / math.sqrt(N)
-    # variance ~ pi/(2m) * D_mse(b-1) * ||q||^2 (the QJL term; E||r||^2 = D_mse(b-1), = 1 for b = 1).
-    # 32 queries average out the chi^2_m spread of ||S q||^2 (12 % for one query at m=128); the
-    # -<q,r>^2/m term is ~1/d relative. 15 % tolerance covers both plus sampling noise.
+    # variance ~ (pi/2 - 1)/m * D_mse(b-1) * ||q||^2 (the QJL term; E||r||^2 = D_mse(b-1), = 1 for b = 1): the
+    # sketch's m = d rows are orthogonal, so the squared projections of q add up exactly (i.i.d. Gaussian rows
+    # give pi/(2m)). 15 % tolerance covers the ~1/d terms plus sampling noise.
     d_prev = 1.0 if b == 1 else lloyd_max_codebook("beta", b - 1, d=d).d_mse
-    predicted = math.pi / (2 * quant.m) * d_prev * float(mx.mean(mx.sum(q * q, axis=-1)))
+    predicted = (math.pi / 2 - 1) / quant.m * d_prev * float(mx.mean(mx.sum(q * q, axis=-1)))
     assert err.var() == pytest.approx(predicted, rel=0.15)
 
 

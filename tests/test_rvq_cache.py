@@ -47,12 +47,48 @@ def test_keys_coded_values_passed_through(dtype):
     k, v = kv(T=64, dtype=dtype)
     errs = []
     for b in (1, 2, 3):
-        keys, values = make(b).update_and_fetch(k, v)
-        assert keys.dtype == dtype and values.dtype == dtype
+        cache = make(b)
+        keys, values = cache.update_and_fetch(k, v)
+        assert keys.dtype == dtype and values.dtype == dtype  # fetched in the keys' dtype, for mlx_lm's SDPA
+        assert cache.state[3].dtype == mx.float16  # stored as plain float16, whatever came in
         errs.append(rel_err(keys, k))
-        # Values are stored as float16 (bfloat16 for bfloat16 input): exact for these inputs' precision.
-        assert rel_err(values, v) < 1e-3
+        # float16 keeps 11 significant bits: exact for float16 and bfloat16 input, 2^-11 relative for float32.
+        assert rel_err(values, v) < (1e-3 if dtype == mx.float32 else 1e-7)
     assert errs[0] > errs[1] > errs[2]
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_values_stored_as_float16_below_half_a_float32_kvcache(dtype):
+    """The documented storage: values "pass through as plain fp16" (2 bytes each, bfloat16 input too) and keys
+    packed, so the whole cache holds less than half of what mlx_lm's float32 KVCache holds for the same tokens
+    (same step growth: 300 tokens fill 512 rows in both)."""
+    d, T = 64, 300
+    k, v = kv(T=T, d=d, dtype=dtype)
+    cache, plain = make(2, d=d), mlx_cache.KVCache()
+    cache.update_and_fetch(k, v)
+    plain.update_and_fetch(k.astype(mx.float32), v.astype(mx.float32))
+    assert cache._store.buffers["values"].dtype == mx.float16
+    values_bytes = cache._store.buffers["values"].nbytes
+    assert values_bytes == plain.values.nbytes // 2  # float16 against float32, same rows
+    assert cache.nbytes < plain.nbytes / 2, (cache.nbytes, plain.nbytes)
+
+
+@pytest.mark.parametrize("dtype,bad", [(mx.float32, 7e4), (mx.float32, -65505.0), (mx.bfloat16, 7e4),
+                                       (mx.float32, float("inf")), (mx.float16, float("-inf")),
+                                       (mx.float32, float("nan")), (mx.bfloat16, float("nan"))])
+def test_values_beyond_float16_range_refused(dtype, bad):
+    """A value float16 cannot hold would be stored as inf (or NaN): refused, naming values and the range,
+    before anything is stored."""
+    cache = make()
+    cache.update_and_fetch(*kv(T=3))
+    k, v = kv(T=2, seed=1)
+    v = mx.where(mx.arange(D) == 5, mx.array(bad, dtype=mx.float32), v).astype(dtype)
+    with pytest.raises(ValueError, match=r"values must be finite and within float16's range \[-65504, 65504\]"):
+        cache.update_and_fetch(k.astype(dtype), v)
+    assert cache.offset == 3 and cache._store.length == 3
+    top = 65280.0 if dtype == mx.bfloat16 else 65504.0  # the largest value <= 65504 the input dtype holds
+    _, values = cache.update_and_fetch(k.astype(dtype), mx.full(v.shape, -top, dtype=dtype))
+    assert values[:, :, 3:].min().item() == -top  # float16's range edge is stored as is
 
 
 def test_bytes_match_the_documented_layout():
@@ -64,25 +100,80 @@ def test_bytes_match_the_documented_layout():
     assert cache.fp16_key_bytes == 2 * T * D * 2
     held = sum(a.nbytes for a in cache._store.buffers.values())
     assert cache.nbytes == held
-    saved = sum(a.nbytes for a in cache.state[:4])
+    saved = sum(a.nbytes for a in cache.state)
     assert saved == 2 * T * (per_vector + 2 * D)  # + float16 values
 
 
-def test_state_only_restore_meta_state_and_trim():
+def test_state_is_four_arrays_and_meta_state_four_strings():
+    """The documented layout: state (packed1, packed2, norms, values), meta_state (head_dim, bits, seed,
+    offset) as strings; nothing else rides along."""
+    cache = make(3, seed=7)
+    cache.update_and_fetch(*kv(T=5))
+    st_ = cache.state
+    assert isinstance(st_, tuple) and len(st_) == 4 and all(isinstance(a, mx.array) for a in st_)
+    words = math.ceil(D * 3 / 32)
+    assert [tuple(a.shape) for a in st_] == [(1, 2, 5, words), (1, 2, 5, words), (1, 2, 5), (1, 2, 5, D)]
+    assert [a.dtype for a in st_] == [mx.uint32, mx.uint32, mx.bfloat16, mx.float16]
+    assert cache.meta_state == ("32", "3", "7", "5")
+    assert make().state == (None, None, None, None)  # as mlx_lm's empty KVCache: no arrays yet
+
+
+def test_restore_with_meta_state_continues_identically_and_trims():
     cache = make(2)
     ref = cache.update_and_fetch(*kv(T=12))
-    again = TurboQuantRVQKVCache.from_state(cache.state)  # what mlx_lm >= 0.32 does
-    legacy = TurboQuantRVQKVCache.from_state(cache.state[:4], cache.meta_state)  # the seed's two-part form
-    assert cache.meta_state == ("32", "2", "0", "12")
+    again = TurboQuantRVQKVCache.from_state(cache.state, cache.meta_state)
+    assert cache.meta_state == again.meta_state == ("32", "2", "0", "12")
+    assert again.compressed_key_bytes == cache.compressed_key_bytes and again.fp16_key_bytes == cache.fp16_key_bytes
     nxt = kv(T=1, seed=3)
-    outs = [c.update_and_fetch(*nxt) for c in (cache, again, legacy)]
-    for k, v in outs[1:]:
-        assert mx.array_equal(k, outs[0][0]) and mx.array_equal(v, outs[0][1])
+    outs = [c.update_and_fetch(*nxt) for c in (cache, again)]
+    assert mx.array_equal(outs[1][0], outs[0][0]) and mx.array_equal(outs[1][1], outs[0][1])
     assert mx.array_equal(outs[0][0][:, :, :12], ref[0])
     assert cache.trim(5) == 5 and cache.offset == 8
     assert cache.update_and_fetch(*kv(T=2))[0].shape[2] == 10
+    # mlx_lm >= 0.32 calls from_state(state) alone: the arrays do not say how they were coded.
     with pytest.raises(ValueError, match="meta_state"):
-        TurboQuantRVQKVCache.from_state(cache.state[:4])
+        TurboQuantRVQKVCache.from_state(cache.state)
+
+
+def test_restored_cache_and_its_source_stay_independent():
+    """A full store (256 of 256 rows) hands out its buffers; a restore from them must not share them: trim and
+    refill either cache, and neither the other nor the saved state moves."""
+    cache = make(2)
+    cache.update_and_fetch(*kv(T=256))
+    snapshot = cache.state
+    saved = [mx.array(a) for a in snapshot]
+    again = TurboQuantRVQKVCache.from_state(snapshot, cache.meta_state)
+    for changed, other in ((again, cache), (cache, again)):
+        before = other._fetch(mx.float32)
+        mx.eval(before)
+        changed.trim(3)
+        changed.update_and_fetch(*(5 * a for a in kv(T=1, seed=9)))
+        after = other._fetch(mx.float32)
+        assert mx.array_equal(after[0], before[0]) and mx.array_equal(after[1], before[1])
+    assert all(mx.array_equal(a, b) for a, b in zip(snapshot, saved))
+
+
+def test_setter_path_of_mlx_lm_loaders():
+    """Older mlx_lm loaders rebuild a bare instance: obj = cls.__new__(cls); obj.state = ...; obj.meta_state
+    = ... . Either order restores the same cache; on a built cache each setter keeps the other half."""
+    cache = make(2, seed=3)
+    cache.update_and_fetch(*kv(T=6))
+    nxt = kv(T=2, seed=4)
+    want = copy.deepcopy(cache).update_and_fetch(*nxt)
+    for order in (("state", "meta_state"), ("meta_state", "state")):
+        bare = TurboQuantRVQKVCache.__new__(TurboQuantRVQKVCache)
+        for name in order:
+            setattr(bare, name, getattr(cache, name))
+        assert bare.meta_state == cache.meta_state and not hasattr(bare, "_pending")
+        got = bare.update_and_fetch(*nxt)
+        assert mx.array_equal(got[0], want[0]) and mx.array_equal(got[1], want[1])
+    built = make(2, seed=3)
+    built.state = cache.state  # config kept, offset taken from the arrays
+    assert built.offset == 6 and mx.array_equal(built.update_and_fetch(*nxt)[0], want[0])
+    with pytest.raises(ValueError, match="offset"):
+        built.meta_state = ("32", "2", "3", "99")  # arrays kept: 8 tokens, not 99
+    built.meta_state = ("32", "2", "3", "8")
+    assert built.offset == 8
 
 
 def test_deepcopy_is_independent():
@@ -129,8 +220,6 @@ def test_generation_through_mlx_lm_mask_and_sdpa():
 
 
 # --- issue 15: states that do not add up, bad trims, shape changes ------------------------------------
-import json  # noqa: E402
-
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -144,74 +233,101 @@ def _filled(T=7, b=2):
 def test_seed_meta_state_offset_must_match_the_arrays():
     cache = _filled(7)
     meta = cache.meta_state
-    for bad in ("999", "6", "8"):
+    for bad in ("999", "6", "8", "0"):
         with pytest.raises(ValueError, match="offset"):
-            TurboQuantRVQKVCache.from_state(cache.state[:4], meta[:3] + (bad,))
-    for bad in ("-1", "x", "2.5", None):
+            TurboQuantRVQKVCache.from_state(cache.state, meta[:3] + (bad,))
+    for bad in ("-1", "x", "2.5", None, 7, ""):
         with pytest.raises(ValueError, match="offset"):
-            TurboQuantRVQKVCache.from_state(cache.state[:4], meta[:3] + (bad,))
+            TurboQuantRVQKVCache.from_state(cache.state, meta[:3] + (bad,))
     with pytest.raises(ValueError, match="meta_state"):
-        TurboQuantRVQKVCache.from_state(cache.state[:4], meta[:3])
+        TurboQuantRVQKVCache.from_state(cache.state, meta[:3])
 
 
 def test_tampered_bits_refused_by_the_word_count():
     cache = _filled(7, b=4)  # d=32, 4 bits: 4 words per stream; 2 bits would be 2 words
     meta = cache.meta_state
-    with pytest.raises(ValueError, match="indices"):
-        TurboQuantRVQKVCache.from_state(cache.state[:4], (meta[0], "2", meta[2], meta[3]))
-    m = json.loads(cache.state[4])
-    m["config"]["bit_width_inlier"] = 2
-    with pytest.raises(ValueError, match="config_digest"):
-        TurboQuantRVQKVCache.from_state(cache.state[:4] + (json.dumps(m),))
-    del m["config_digest"]  # without the checksum the word count still catches it
-    with pytest.raises(ValueError, match="indices"):
-        TurboQuantRVQKVCache.from_state(cache.state[:4] + (json.dumps(m),))
+    for bits in ("2", "3", "5"):
+        with pytest.raises(ValueError, match="'indices' must be"):
+            TurboQuantRVQKVCache.from_state(cache.state, (meta[0], bits, meta[2], meta[3]))
+    for bits in ("0", "9", "x", "-4"):
+        with pytest.raises(ValueError, match="bit"):
+            TurboQuantRVQKVCache.from_state(cache.state, (meta[0], bits, meta[2], meta[3]))
 
 
-def test_tampered_offset_in_the_json_meta():
-    cache = _filled(7)
-    m = json.loads(cache.state[4])
-    for bad in (107, -1, "7", 7.0):
-        m["offset"] = bad
-        with pytest.raises(ValueError, match="offset"):
-            TurboQuantRVQKVCache.from_state(cache.state[:4] + (json.dumps(m),))
+def test_tampered_bits_with_the_same_word_count_refused_by_the_padding():
+    """head_dim 16: 1 and 2 bits both fill one word per stream; codes written at 2 bits set the high half of
+    the word, which 1-bit codes leave zero."""
+    cache = make(2, d=16)
+    cache.update_and_fetch(*kv(T=9, d=16))
+    with pytest.raises(ValueError, match="'indices' has bits set beyond head_dim=16 codes of bits=1"):
+        TurboQuantRVQKVCache.from_state(cache.state, ("16", "1", "0", "9"))
+
+
+def test_tampered_head_dim_refused():
+    cache = _filled(7, b=2)  # d=32 at 2 bits: 2 words
+    for head_dim in ("64", "16", "1", "0"):
+        with pytest.raises(ValueError, match="head_dim|indices"):
+            TurboQuantRVQKVCache.from_state(cache.state, (head_dim, "2", "0", "7"))
+
+
+def test_rotation_other_than_the_seeds_refused():
+    """meta_state (head_dim, bits, seed, offset) cannot restore another rotation: refused at construction."""
+    with pytest.raises(ValueError, match="config.rotation must be 'haar', got 'hadamard'"):
+        make(2, rotation="hadamard")
 
 
 @pytest.mark.parametrize("i,field", list(enumerate(("indices", "indices2", "norms", "values"))))
 def test_missing_or_wrong_shaped_array_named(i, field):
     cache = _filled(7)
+    meta = cache.meta_state
     st_ = list(cache.state)
+    named = rf"\b{field}\b"  # 'indices', not 'indices2'
     missing = st_[:i] + [None] + st_[i + 1:]
-    with pytest.raises(ValueError, match=field):
-        TurboQuantRVQKVCache.from_state(tuple(missing))
+    with pytest.raises(ValueError, match=named):
+        TurboQuantRVQKVCache.from_state(tuple(missing), meta)
     a = st_[i]
-    for bad in (a[:, :, :5], a[:1, :1], a.astype(mx.int32)):
+    other = mx.float16 if a.dtype != mx.float16 else mx.float32  # norms must be bfloat16, values float16
+    cut = a[..., :1] if field != "values" else a[..., :0]  # word count; values: a d_v of 0 (any d_v >= 1 is fine)
+    for bad in (a[:, :, :5], a[:1, :1], a.astype(mx.int32), a.astype(other), a[None], cut):
         shaped = st_[:i] + [bad] + st_[i + 1:]
-        with pytest.raises(ValueError, match=field):
-            TurboQuantRVQKVCache.from_state(tuple(shaped))
-    with pytest.raises(TypeError, match=field):
-        TurboQuantRVQKVCache.from_state(tuple(st_[:i] + [[1, 2, 3]] + st_[i + 1:]))
+        with pytest.raises(ValueError, match=named):
+            TurboQuantRVQKVCache.from_state(tuple(shaped), meta)
+    with pytest.raises(TypeError, match=named):
+        TurboQuantRVQKVCache.from_state(tuple(st_[:i] + [[1, 2, 3]] + st_[i + 1:]), meta)
 
 
-@pytest.mark.parametrize("state,err,word", [
-    (5, TypeError, "state"), ("abc", TypeError, "state"), ((1, 2), ValueError, "state"),
-    ((None, None, None, None, "x"), ValueError, "JSON"),
-    ((None, None, None, None, '{"meta": "x"}'), ValueError, "config"),
-    ((None, None, None, None, '[1]'), ValueError, "config"),
+@pytest.mark.parametrize("state,meta,err,word", [
+    (5, None, TypeError, "state"), ("abc", None, TypeError, "state"), ((1, 2), None, ValueError, "4 entries"),
+    ((None,) * 5, ("32", "2", "0", "0"), ValueError, "4 entries"),  # the earlier layout: arrays + a JSON entry
+    ((None,) * 4, None, ValueError, "meta_state"),
+    ((None,) * 4, ("32", "2", "0"), ValueError, "meta_state"),
+    ((None,) * 4, "32,2,0,0", ValueError, "meta_state"),
+    ((None,) * 4, ("32", "2", "x", "0"), ValueError, "meta_state seed"),
+    ((None,) * 4, ("32", "2", "-1", "0"), ValueError, "meta_state seed"),
+    ((None,) * 4, ("32", "2", 0, "0"), ValueError, "meta_state seed"),
+    ((None,) * 4, ("32", "2", "0", "2.5"), ValueError, "meta_state offset"),
 ])
-def test_from_state_garbage_named(state, err, word):
+def test_from_state_garbage_named(state, meta, err, word):
     with pytest.raises(err, match=word):
-        TurboQuantRVQKVCache.from_state(state)
+        TurboQuantRVQKVCache.from_state(state, meta)
 
 
 def test_empty_state_round_trips_and_claims_no_tokens():
     cache = make()
-    again = TurboQuantRVQKVCache.from_state(cache.state)
-    assert again.offset == 0 and again.empty()
-    m = json.loads(cache.state[4])
-    m["offset"] = 3
-    with pytest.raises(ValueError, match="offset"):
-        TurboQuantRVQKVCache.from_state(cache.state[:4] + (json.dumps(m),))
+    again = TurboQuantRVQKVCache.from_state(cache.state, cache.meta_state)
+    assert again.offset == 0 and again.empty() and again.state == (None,) * 4
+    with pytest.raises(ValueError, match="offset=3 but no arrays"):
+        TurboQuantRVQKVCache.from_state(cache.state, ("32", "2", "0", "3"))
+    trimmed = _filled(4)  # emptied by trim: zero-token arrays, offset 0
+    trimmed.trim(4)
+    again = TurboQuantRVQKVCache.from_state(trimmed.state, trimmed.meta_state)
+    assert again.offset == 0 and again.update_and_fetch(*kv(T=1))[0].shape == (1, 2, 1, D)
+
+
+def test_merge_refuses_batching_clearly():
+    """mlx_lm's batch_generate merges per-sequence prompt caches; this cache has no batched form."""
+    with pytest.raises(ValueError, match="does not support mlx_lm batch_generate"):
+        TurboQuantRVQKVCache.merge([_filled(3), _filled(4)])
 
 
 @pytest.mark.parametrize("n,err", [(-1, ValueError), (2.5, TypeError), ("2", TypeError), (None, TypeError),

@@ -138,3 +138,35 @@ def test_config_accepts_jl_dim_for_mse_without_effect():
         cache.append_value(k)
     np.testing.assert_array_equal(np.array(c.attend(q)), np.array(ref.attend(q)))
     assert c.memory_bytes() == ref.memory_bytes()
+
+
+def test_prefix_cache_reuse_pattern_of_the_original():
+    """The original's prefix-cache reuse: fill a cache with a prompt, turn every state entry into an array,
+    rebuild with ``from_state(arrays, cache.meta_state)`` and go on; the rebuilt cache fetches exactly what the
+    never-saved cache fetches, and one saved prefix serves several continuations."""
+    from veloxquant_mlx.cache.turboquant_rvq_cache import TurboQuantRVQKVCache
+
+    def make():
+        return TurboQuantRVQKVCache(KVCacheConfig(method="turboquant_rvq", head_dim=64, bit_width_inlier=2, seed=5))
+
+    def tokens(T, seed):
+        rng = np.random.default_rng(seed)
+        return tuple(mx.array(rng.standard_normal((1, 2, T, 64)).astype(np.float32)).astype(mx.float16)
+                     for _ in range(2))
+
+    prompt = tokens(37, 0)
+    cache = make()
+    cache.update_and_fetch(*prompt)
+    arrays = [mx.array(s) for s in cache.state]  # every entry is an array
+    assert len(arrays) == 4
+    for seed in (1, 2):  # two requests sharing the prompt
+        never_saved = make()
+        never_saved.update_and_fetch(*prompt)
+        rebuilt = TurboQuantRVQKVCache.from_state(arrays, cache.meta_state)
+        assert rebuilt.offset == never_saved.offset == 37
+        for T in (1, 1, 5):  # decode steps, then a chunk
+            step = tokens(T, seed * 10 + T)
+            want, got = never_saved.update_and_fetch(*step), rebuilt.update_and_fetch(*step)
+            assert got[0].dtype == want[0].dtype == mx.float16
+            assert mx.array_equal(got[0], want[0]) and mx.array_equal(got[1], want[1])
+    assert all(mx.array_equal(a, s) for a, s in zip(arrays, cache.state))  # the saved prefix is untouched

@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from veloxquant_mlx.validate import FLOAT_DTYPES
 
-_FORMATS = (1, 2)
+_FORMATS = (1, 2, 3)
 _CACHE_KEYS = ("fetch_placeholders", "max_size", "keep")
 
 
@@ -51,6 +51,9 @@ def read_meta(cls, state) -> Tuple[Any, Dict[str, Any], Dict[str, Any]]:
         offset, dims, stores = meta["offset"], meta["dims"], meta["stores"]
     except (KeyError, TypeError, ValueError) as e:
         raise _fail(cls, f"'meta' does not hold valid options ({e})") from None
+    if meta["format"] < 3 and options.method == "turboquant_prod" and options.codec == "lloyd_max":
+        raise _fail(cls, f"turboquant_prod codes of format {meta['format']} were sketched with the Gaussian QJL "
+                         "matrix this version replaced (format 3); they cannot be read: build the cache again")
     if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
         raise _fail(cls, f"'meta' offset must be an int >= 0, got {offset!r}")
     if dims is not None and not (isinstance(dims, list) and len(dims) == 2

@@ -42,7 +42,9 @@ from veloxquant_mlx.cache.options import CacheOptions
 from veloxquant_mlx.codecs import codec_layout
 from veloxquant_mlx.validate import check_bool, check_heads, check_int
 
-FORMAT = 2  # of ``state``; format 1 (config + options, before CacheOptions) is still read
+# of ``state``; formats 1 (config + options, before CacheOptions) and 2 are still read, except turboquant_prod codes:
+# format 3 changed their QJL sketch (orthogonal rows), so older prod codes would decode wrongly
+FORMAT = 3
 _CACHE_FIELDS = ("fetch_placeholders",)
 
 

@@ -21,6 +21,7 @@ the file (and the layer / array).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import uuid
 from typing import Any, Dict, List, Optional
@@ -30,6 +31,9 @@ from mlx.utils import tree_unflatten
 from mlx_lm.models import cache as mlx_cache
 
 VERSION_KEY = "__veloxquant_mlx_version__"
+# Per layer, the meta_state of caches whose from_state needs one (the seed's TurboQuantRVQKVCache: its state is
+# only its four arrays) as a JSON list, None for the others: mlx_lm >= 0.32 writes state alone.
+META_STATE_KEY = "__veloxquant_meta_state__"
 SUFFIX = ".safetensors"
 
 
@@ -90,8 +94,9 @@ def save_prompt_cache(file_name: str, cache: List[Any], metadata: Optional[Dict[
     if metadata is not None and (not isinstance(metadata, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
         raise TypeError("save_prompt_cache: metadata must be a dict mapping str to str")
-    if metadata and VERSION_KEY in metadata:
-        raise ValueError(f"save_prompt_cache: metadata key {VERSION_KEY!r} is reserved")
+    for key in (VERSION_KEY, META_STATE_KEY):
+        if metadata and key in metadata:
+            raise ValueError(f"save_prompt_cache: metadata key {key!r} is reserved")
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"save_prompt_cache: directory of {path!r} does not exist")
@@ -99,6 +104,7 @@ def save_prompt_cache(file_name: str, cache: List[Any], metadata: Optional[Dict[
         raise IsADirectoryError(f"save_prompt_cache: {path!r} is a directory")
     meta = dict(metadata or {})
     meta[VERSION_KEY] = veloxquant_mlx.__version__
+    meta[META_STATE_KEY] = json.dumps([_meta_state(c) for c in cache])
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}.tmp{SUFFIX}")
     try:
         mlx_cache.save_prompt_cache(tmp, list(cache), meta)
@@ -112,6 +118,28 @@ def save_prompt_cache(file_name: str, cache: List[Any], metadata: Optional[Dict[
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def _meta_state(cache):
+    from veloxquant_mlx.cache.turboquant_rvq_cache import TurboQuantRVQKVCache
+
+    return list(cache.meta_state) if isinstance(cache, TurboQuantRVQKVCache) else None
+
+
+def _read_meta_states(metadata: dict, n_layers: int, path: str) -> list:
+    """Per layer, the meta_state `save_prompt_cache` wrote (None: the layer has none, or mlx_lm wrote the file)."""
+    text = metadata.get(META_STATE_KEY)
+    if text is None:
+        return [None] * n_layers
+    try:
+        entries = json.loads(text)
+    except (ValueError, RecursionError):
+        entries = None
+    if not (isinstance(entries, list) and len(entries) == n_layers and all(
+            e is None or (isinstance(e, list) and all(isinstance(x, str) for x in e)) for e in entries)):
+        raise ValueError(f"load_prompt_cache: {path!r}: metadata {META_STATE_KEY!r} must be a JSON list of "
+                         f"{n_layers} entries (a list of strings or null per layer)")
+    return [None if e is None else tuple(e) for e in entries]
 
 
 def _classes_by_name() -> dict:
@@ -176,6 +204,7 @@ def load_prompt_cache(file_name: str, return_metadata: bool = False):
         raise ValueError(f"load_prompt_cache: {path!r}: the arrays do not match the {len(classes)} layers listed")
     states = states + [[] for _ in range(len(classes) - len(states))]  # layers whose every array is gone
     known = _classes_by_name()
+    meta_states = _read_meta_states(metadata, len(classes), path)
     cache = []
     for i, (name, state) in enumerate(zip(classes, states)):
         cls = known.get(name)
@@ -189,8 +218,9 @@ def load_prompt_cache(file_name: str, return_metadata: bool = False):
             raise ValueError(f"load_prompt_cache: {path!r}: layer {i} ({name}): array(s) {missing} missing")
         try:
             with mlx_lm_cache_classes():  # CacheList rebuilds its children by name in mlx_lm's module
-                cache.append(cls.from_state(state))
+                meta_state = meta_states[i]
+                cache.append(cls.from_state(state) if meta_state is None else cls.from_state(state, meta_state))
         except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
             raise ValueError(f"load_prompt_cache: {path!r}: layer {i} ({name}) refused its state: {e}") from e
-    metadata = {k: v for k, v in metadata.items() if k != VERSION_KEY}
+    metadata = {k: v for k, v in metadata.items() if k not in (VERSION_KEY, META_STATE_KEY)}
     return (cache, metadata) if return_metadata else cache

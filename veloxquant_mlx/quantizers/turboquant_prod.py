@@ -25,6 +25,26 @@ from .turboquant_mse import CODEBOOK_KINDS, TurboQuantMSE
 
 
 
+def orthogonal_sketch(d: int, m: int, seed: int) -> np.ndarray:
+    """``(m, d)`` float32 QJL sketch: seeded Haar-orthogonal ``d x d`` blocks stacked to ``m`` rows, times sqrt(d).
+
+    Each row is uniform on the sphere of radius sqrt(d) (so the estimate stays unbiased), and rows of one block
+    are orthogonal: their sign bits do not repeat each other, which cuts the estimate's variance to about
+    (1 - 2/pi) of i.i.d. Gaussian rows' at m = d (orthogonal random features).
+    """
+    rng = np.random.default_rng([seed, STREAM_QJL])
+    blocks = []
+    for _ in range(-(-m // d)):
+        q, r = np.linalg.qr(rng.standard_normal((d, d)))
+        blocks.append(q * np.sign(np.diag(r)))
+    return (np.concatenate(blocks)[:m] * math.sqrt(d)).astype(np.float32)
+
+
+def sign_gain(d: int) -> float:
+    """E[(s.q) sign(s.r)] / <q, r/|r|> for s uniform on the radius-sqrt(d) sphere: sqrt(d) E|u_1| (-> sqrt(2/pi))."""
+    return math.sqrt(d) * math.exp(math.lgamma(d / 2) - math.lgamma((d + 1) / 2)) / math.sqrt(math.pi)
+
+
 class TurboQuantProd(StoredNorms):
     """Inner-product-unbiased TurboQuant at ``b`` bits per coordinate (b-1 MSE bits + 1 QJL bit).
 
@@ -49,11 +69,10 @@ class TurboQuantProd(StoredNorms):
         self.mse = (TurboQuantMSE(self.d, self.b - 1, self.seed, rotation, codebook, norm_dtype)
                     if self.b > 1 else None)
         self.rotation = self.mse.rotation if self.mse is not None else make_rotation(self.d, self.seed, rotation)
-        rng = np.random.default_rng([self.seed, STREAM_QJL])
         # S acts on rotated-basis vectors; in the original basis the sketch matrix is S @ Pi.
-        self.qjl_matrix = mx.array(rng.standard_normal((self.m, self.d)).astype(np.float32))  # (m, d)
+        self.qjl_matrix = mx.array(orthogonal_sketch(self.d, self.m, self.seed))  # (m, d)
         self._qjl_t = mx.contiguous(self.qjl_matrix.T)  # (d, m)
-        self._qjl_scale = math.sqrt(math.pi / 2.0) / self.m
+        self._qjl_scale = 1.0 / (self.m * sign_gain(self.d))
 
     @staticmethod
     def m_default(d: int, b: int) -> int:
