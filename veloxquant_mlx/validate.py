@@ -59,11 +59,15 @@ def check_finite(name: str, value, lo: Optional[float] = None) -> float:
 
 
 def check_heads(name: str, x, d: Optional[int] = None) -> mx.array:
-    """A floating ``(B, H, T, d)`` mx.array (keys, values or queries); ``d`` checked when given."""
+    """A floating ``(B, H, T, d)`` mx.array (keys, values or queries) with at least one row, head and channel
+    (``T`` may be 0: callers that need tokens say so); ``d`` checked when given."""
     if not isinstance(x, mx.array):
         raise TypeError(f"{name} must be an mx.array of shape (B, H, T, d), got {type(x).__name__}")
     if x.ndim != 4:
         raise ValueError(f"{name} must have shape (B, H, T, d), got shape {tuple(x.shape)}")
+    if 0 in (x.shape[0], x.shape[1], x.shape[3]):
+        raise ValueError(f"{name} must have shape (B, H, T, d) with B, H, d >= 1 (at least one sequence, head and "
+                         f"channel), got shape {tuple(x.shape)}")
     if x.dtype not in FLOAT_DTYPES:
         raise ValueError(f"{name} must be float32, float16 or bfloat16, got {x.dtype} (integer inputs are not KV tensors)")
     if d is not None and x.shape[-1] != d:

@@ -382,8 +382,9 @@ class TurboQuantBatchPackedCache(PipelineDependency, _BaseCache):
         """Store ``keys``/``values`` ``(B, H, T, d)`` (pad tokens per `prepare` skipped); returns placeholders of
         the stored history's shape (attention runs in `attend_packed`)."""
         dims, B, H = self.dims, self.B, self.heads
-        if (type(keys) is mx.array and type(values) is mx.array and dims is not None and keys.shape == (B, H, 1, dims[0])
-                and values.shape == (B, H, 1, dims[1]) and keys.dtype in FLOAT_DTYPES and values.dtype in FLOAT_DTYPES
+        if (type(keys) is mx.array and type(values) is mx.array and dims is not None and B  # (no rows: checked below)
+                and keys.shape == (B, H, 1, dims[0]) and values.shape == (B, H, 1, dims[1])
+                and keys.dtype in FLOAT_DTYPES and values.dtype in FLOAT_DTYPES
                 and self._dependency is None and _hook.is_active()):
             # A decode step (~30 per token): the checks below in one comparison of shapes.
             self._append(keys, values)

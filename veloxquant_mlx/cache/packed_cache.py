@@ -40,6 +40,7 @@ from veloxquant_mlx.cache._pipeline import PipelineDependency
 from veloxquant_mlx.cache._token_store import TokenStore
 from veloxquant_mlx.cache.options import CacheOptions
 from veloxquant_mlx.codecs import codec_layout
+from veloxquant_mlx.codecs._common import check_codable
 from veloxquant_mlx.validate import check_bool, check_heads, check_int
 
 # of ``state``; formats 1 (config + options, before CacheOptions) and 2 are still read, except turboquant_prod codes:
@@ -142,8 +143,37 @@ class TurboQuantPackedCache(PipelineDependency, _BaseCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Store ``keys``/``values`` ``(B, H, T, d)``; return the whole history ``(B, H, n, d)`` in their dtype
         (a zero-cost placeholder of that shape while attention is routed to `attend_packed`)."""
+        _check_pair(keys, values, *(self.dims or (self.options.head_dim, None)))
+        self._check_codable(keys, values)
         self._append(keys, values)
         return self._history(keys.dtype)
+
+    def _check_codable(self, keys: mx.array, values: mx.array) -> None:
+        """Refuse an update that would code a non-finite token with a layout coding keys (or values) per channel
+        over blocks of tokens (`check_codable`: ValueError naming the argument; the cache is unchanged). Exact
+        tokens (sink, tail) keep one to itself, as mlx_lm's KVCache; per-token layouts code it as such. One host
+        sync per update that codes a block, none otherwise."""
+        T = keys.shape[2]
+        n_sink = min(max(self.sink - self.sink_store.length, 0), T)
+        n_code = self.tail.length + T - n_sink - self.recent - self.trim_headroom  # as `_append_to_tail`
+        if n_code <= 0:  # (the cheap exits first: this runs for every layer at every decode step)
+            return
+        layout = codec_layout(self.codec)
+        if not (layout.keys.BLOCKED or layout.values.BLOCKED):
+            return
+        block = self._block if self.k_codec is not None else \
+            layout.keys.from_options(self.options, "keys", keys.shape[-1]).token_block
+        n_code = n_code // block * block
+        sides = {n: x for n, x, cls in (("keys", keys, layout.keys), ("values", values, layout.values)) if cls.BLOCKED}
+        if n_code:  # the oldest tail tokens, then the new ones
+            if self._dependency is not None:  # (mlx_lm's pipeline: the check, too, waits for the pending send)
+                sides = dict(zip(sides, mx.depends(list(sides.values()), [self._dependency])))
+            old = min(n_code, self.tail.length)
+            tail = self.tail.view(0, old) if old else {}
+            parts = {n: ([tail[n[0]]] if old else []) + [x[:, :, n_sink: n_sink + n_code - old]]
+                     for n, x in sides.items()}  # (the tail's arrays: "k", "v")
+            # (a sink still filling means no codes nor tail yet: the coded tokens follow the new sink ones)
+            check_codable(parts, self.sink_store.length + n_sink + self.n_coded, self.codec, block)
 
     def _history(self, dtype):
         if self.fetch_placeholders and _hook.is_active():

@@ -5,6 +5,7 @@ import threading
 from typing import Dict, Optional, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 TOKEN_AXIS = 2
 
@@ -34,23 +35,50 @@ def finite_channel_mean(x: mx.array) -> mx.array:
     return mx.where(mx.isfinite(mean), mean, finite)
 
 
+
+def check_codable(parts: Dict[str, Sequence[mx.array]], first: int, codec: str, block: int) -> None:
+    """ValueError naming the argument (``keys`` / ``values``) when the tokens a cache is about to code per channel
+    over blocks hold a non-finite value: a block's one scale and bias per channel cannot hold it alone (it would
+    spread over the block, or be hidden). ``parts``: per argument, the ``(B, H, n, d)`` arrays of those tokens in
+    temporal order, the first at token ``first`` of the cache. One host sync for all of them."""
+    flags = [mx.all(mx.isfinite(a)) for arrays in parts.values() for a in arrays]
+    if all(mx.stack(flags).tolist()):
+        return
+    from veloxquant_mlx.codecs import CODECS
+
+    for name, arrays in parts.items():
+        rows = np.concatenate([np.array(a.astype(mx.float32)) for a in arrays], axis=2)
+        bad = np.nonzero(~np.isfinite(rows).all(axis=(0, 1, 3)))[0]
+        if len(bad):
+            at = ", ".join(str(first + int(i)) for i in bad[:8]) + (", ..." if len(bad) > 8 else "")
+            per_token = tuple(n for n, lay in CODECS.items() if not (lay.keys.BLOCKED or lay.values.BLOCKED))
+            raise ValueError(
+                f"{name} hold a non-finite value (inf or NaN) at token{'s' if len(bad) > 1 else ''} {at} of this "
+                f"cache, which this update would code: codec={codec!r} stores {name} per channel over blocks of "
+                f"{block} tokens with one scale and bias each, where a non-finite token would spread over its block "
+                f"or be hidden. Non-finite {name} usually mean the model overflowed (float16 activations): run it in "
+                f"bfloat16 or float32, or use a per-token codec {per_token}, which keeps such a token to itself. The "
+                "cache is unchanged.")
+
 FLOAT16_MAX = 65504.0
 
 
 def _to_float16(*xs: mx.array):
-    return tuple(mx.clip(x, -FLOAT16_MAX, FLOAT16_MAX).astype(mx.float16) for x in xs)
+    # Finite values beyond the range clamp to it; +-inf and NaN stay as they are (a non-finite input stays visible).
+    return tuple(mx.where(mx.isinf(x), x, mx.clip(x, -FLOAT16_MAX, FLOAT16_MAX)).astype(mx.float16) for x in xs)
 
 
-# One fused kernel instead of five operations per array (two scalar broadcasts, maximum, minimum, cast): a cache
-# stores scales and biases this way at every coded block, and each operation costs ~10 us on CPU whatever its
-# size. Elementwise only, so one shapeless trace serves every shape (per number of arguments).
+# One fused kernel instead of seven operations per array (two scalar broadcasts, maximum, minimum, isinf, where,
+# cast): a cache stores scales and biases this way at every coded block, and each operation costs ~10 us on CPU
+# whatever its size. Elementwise only, so one shapeless trace serves every shape (per number of arguments).
 _to_float16_fused = mx.compile(_to_float16, shapeless=True)
 _fused_lock = threading.Lock()  # tracing fills the compiled function's cache
 
 
 def clamp_to(x: mx.array, dtype) -> mx.array:
     """float32 ``x`` in ``dtype``, clamped to float16's finite range when that is the target: a reconstruction
-    may overshoot an input near ±65504 and must not decode to inf."""
+    may overshoot an input near ±65504 and must not decode to inf. ±inf and NaN pass unchanged: a non-finite
+    input (or scale) must stay non-finite, never become a finite ±65504."""
     if dtype == mx.float16:
         return clamp_all_to(dtype, x)[0]
     return x.astype(dtype)

@@ -132,7 +132,8 @@ class AffineRotatedCodec(PerTokenLayout):
 
     def store_scale(self, s: mx.array) -> mx.array:
         """Scales / biases in their storage dtype; clamped into float16's range (rotated coordinates of inputs
-        near ±65504 can exceed it), so a code never holds inf."""
+        near ±65504 can exceed it), so finite inputs never store inf (a non-finite one keeps its non-finite scale:
+        its token decodes non-finite, never as a finite value)."""
         return clamp_to(s, self.scale_dtype)
 
     def store_scales(self, *arrays: mx.array) -> tuple:

@@ -11,12 +11,14 @@ Centring quantizes ``Pi (x - mu)`` (better codes at 2-3 bits) and folds ``Pi mu`
 biases, so the codes decode to ``Pi x`` directly: no ``q . mu`` term at attention time.
 
 A block's tokens only make sense together: ``encode`` takes whole blocks, and a cache appends, trims and
-deletes whole blocks (``token_block``; the remainder waits exact). Made for keys: as values it is decoded.
+deletes whole blocks (``token_block``; the remainder waits exact). For the same reason a non-finite token cannot
+be coded on its own: its block decodes NaN (caches refuse to code one, naming the argument). Made for keys: as
+values it is decoded.
 The registered layout ``affine_block`` pairs it with ``affine`` values.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -54,12 +56,22 @@ class AffineBlockKeyCodec(AffineRotatedCodec):
         check_heads("x", x, self.d)
         if x.shape[2] % self.block:
             raise ValueError(f"x must hold whole blocks: T={x.shape[2]} is not a multiple of block={self.block}")
-        w_q, scales, biases = mx.quantize(mx.swapaxes(self.rotate(x), -1, -2), group_size=self.block, bits=self.bits)
+        y = mx.swapaxes(self.rotate(x), -1, -2)  # (B, H, d, T)
+        w_q, scales, biases = self.quantize(y)
+        # A block's shared scale and bias per channel cannot code a non-finite token alone (mx.quantize spreads inf
+        # over the block's channel and codes NaN as a finite value): such a channel block decodes NaN, visibly. The
+        # caches refuse to code one (`check_codable`). Three operations per coded block.
+        finite = mx.all(mx.isfinite(y.reshape(*biases.shape, self.block)), axis=-1)
+        biases = mx.where(finite, biases, mx.nan)
         if self.mean is not None:
             # Fold Pi mu back in: per channel c, every token of the group shares the offset (Pi mu)_c.
             biases = biases + self.rotation.apply(self.mean)[None, :, :, None]  # (1, H, d, 1)
         scales, biases = self.store_scales(scales, biases)
         return {"w_q": w_q, "scales": scales, "biases": biases}
+
+    def quantize(self, y: mx.array) -> Tuple[mx.array, mx.array, mx.array]:
+        """``(B, H, d, n)`` rotated channels -> MLX affine ``(w_q, scales, biases)``, groups along tokens."""
+        return mx.quantize(y, group_size=self.block, bits=self.bits)
 
     def check_codes(self, codes: Dict[str, mx.array], name: str) -> None:
         missing = [f for f in FIELDS if f not in codes]

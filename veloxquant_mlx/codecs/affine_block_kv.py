@@ -33,7 +33,7 @@ from veloxquant_mlx.codecs._common import f32, packed_matmul_ok
 from veloxquant_mlx.codecs.affine import AFFINE_GROUP_SIZES, AffineRotatedCodec
 from veloxquant_mlx.codecs.affine_block import AffineBlockKeyCodec
 from veloxquant_mlx.codecs.lloyd_max import LloydMaxCodec
-from veloxquant_mlx.validate import check_heads, check_int
+from veloxquant_mlx.validate import check_int
 
 DEFAULT_BLOCK = 64
 # Query rows per KV head above which decoding once + BLAS beats the quantized matmul for values on CPU
@@ -52,21 +52,6 @@ class AffineBlockKVCodec(AffineBlockKeyCodec):
                              f"groups), got {block}")
         AffineRotatedCodec.__init__(self, d, bits, None, **kwargs)  # groups run along tokens, never along d
         self.block = self.group_size = block
-
-    def encode(self, x: mx.array) -> Dict[str, mx.array]:
-        """``(B, H, T, d)``, T a multiple of ``block`` -> ``X^T`` arrays ``(B, H, d, ...)``."""
-        check_heads("x", x, self.d)
-        if x.shape[2] % self.block:
-            raise ValueError(f"x must hold whole blocks: T={x.shape[2]} is not a multiple of block={self.block}")
-        w_q, scales, biases = self.quantize(mx.swapaxes(self.rotate(x), -1, -2))
-        if self.mean is not None:  # fold Pi mu back in: every token of a channel's group shares the offset
-            biases = biases + self.rotation.apply(self.mean)[None, :, :, None]  # (1, H, d, 1)
-        scales, biases = self.store_scales(scales, biases)
-        return {"w_q": w_q, "scales": scales, "biases": biases}
-
-    def quantize(self, y: mx.array) -> Tuple[mx.array, mx.array, mx.array]:
-        """``(B, H, d, n)`` rotated channels -> MLX affine ``(w_q, scales, biases)``, groups along tokens."""
-        return mx.quantize(y, group_size=self.block, bits=self.bits)
 
     def bytes_per_token_head(self) -> float:
         """Stored bytes per token per head: codes plus a scale and a bias per channel per block."""

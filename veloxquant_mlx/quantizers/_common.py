@@ -53,14 +53,24 @@ def unit_and_norm(x: mx.array):
 
 
 def check_encoded(ev, quantizer_type: str, d: int):
+    """The codes ``ev`` a quantizer decodes or scores: an EncodedVector of this quantizer and ``d``, with float norms.
+
+    Shapes only (no host sync): the code streams' widths are checked where they are read (`EncodedVector.codes`,
+    ``sign_values``), naming the stream and the words it needs; the batch shapes when ``ev`` was built.
+    """
     from ..core.context import EncodedVector
 
     if not isinstance(ev, EncodedVector):
-        raise TypeError(f"ev must be an EncodedVector, got {type(ev).__name__}")
+        raise TypeError(f"ev must be an EncodedVector (what encode returns), got {type(ev).__name__}")
     if ev.quantizer_type != quantizer_type:
         raise ValueError(f"ev was encoded by {ev.quantizer_type!r}, this quantizer is {quantizer_type!r}")
     if ev.dim != d:
         raise ValueError(f"ev has dim {ev.dim}, this quantizer has d={d}")
+    for name in ("norms", "residual_norm"):
+        a = getattr(ev, name)
+        if a is not None and a.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"ev.{name} must be a float array (bfloat16, float16 or float32) of shape "
+                             f"{ev.batch_shape}, got {a.dtype}")
 
 
 def as_query(q, d: int):

@@ -118,6 +118,7 @@ class TurboQuantProd(StoredNorms):
     def decode_rotated(self, ev: EncodedVector) -> mx.array:
         """``(..., d)`` float32 unbiased reconstruction in the rotated basis:
         y_mse + gamma sqrt(pi/2)/m S^T signs."""
+        check_encoded(ev, self.quantizer_type, self.d)
         qjl = (self._signs_pm(ev) @ self.qjl_matrix) * (
             self._residual_norm(ev)[..., None] * self._qjl_scale)
         return self.decode_rotated_mse(ev) + qjl
