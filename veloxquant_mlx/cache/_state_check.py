@@ -22,10 +22,8 @@ def _fail(cls, what: str):
     return ValueError(f"{cls.__name__} state: {what}")
 
 
-def read_meta(cls, state) -> Tuple[Any, Dict[str, Any], Dict[str, Any]]:
-    """``(CacheOptions, constructor keyword arguments, meta dict)`` from ``state["meta"]``."""
-    from veloxquant_mlx.cache.options import CacheOptions
-
+def _parse_meta(cls, state, formats) -> Dict[str, Any]:
+    """``state["meta"]`` parsed, of a known format and written by ``cls``."""
     if not isinstance(state, dict) or not isinstance(state.get("meta"), str):
         raise ValueError(f"{cls.__name__}.from_state expects the dict written by .state (with a 'meta' string), "
                          f"got {type(state).__name__}")
@@ -38,6 +36,14 @@ def read_meta(cls, state) -> Tuple[Any, Dict[str, Any], Dict[str, Any]]:
         raise _fail(cls, f"unsupported format {got!r} (expected one of {_FORMATS})")
     if meta.get("class") != cls.__name__:
         raise _fail(cls, f"it was written by {meta.get('class')!r}, not {cls.__name__!r}")
+    return meta
+
+
+def read_meta(cls, state) -> Tuple[Any, Dict[str, Any], Dict[str, Any]]:
+    """``(CacheOptions, constructor keyword arguments, meta dict)`` from ``state["meta"]``."""
+    from veloxquant_mlx.cache.options import CacheOptions
+
+    meta = _parse_meta(cls, state, _FORMATS)
     try:
         if meta["format"] == 1:  # options split into a KVCacheConfig dict and cache options
             from veloxquant_mlx.config import KVCacheConfig
@@ -151,18 +157,7 @@ def read_batch_meta(cls, state) -> Tuple[Any, Dict[str, Any], Dict[str, Any]]:
     """``(CacheOptions, constructor keyword arguments, meta dict)`` of a batch cache's ``state["meta"]``."""
     from veloxquant_mlx.cache.options import CacheOptions
 
-    if not isinstance(state, dict) or not isinstance(state.get("meta"), str):
-        raise ValueError(f"{cls.__name__}.from_state expects the dict written by .state (with a 'meta' string), "
-                         f"got {type(state).__name__}")
-    try:
-        meta = json.loads(state["meta"])
-    except (json.JSONDecodeError, RecursionError) as e:
-        raise _fail(cls, f"'meta' is not valid JSON ({e})") from None
-    if not isinstance(meta, dict) or meta.get("format") not in _BATCH_FORMATS:
-        got = meta.get("format") if isinstance(meta, dict) else meta
-        raise _fail(cls, f"unsupported format {got!r} (expected one of {_BATCH_FORMATS})")
-    if meta.get("class") != cls.__name__:
-        raise _fail(cls, f"it was written by {meta.get('class')!r}, not {cls.__name__!r}")
+    meta = _parse_meta(cls, state, _BATCH_FORMATS)
     try:
         options = CacheOptions.from_dict(meta["options"])
         kwargs, dims, heads, rows = dict(meta["cache"]), meta["dims"], meta["heads"], meta["rows"]

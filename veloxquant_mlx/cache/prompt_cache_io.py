@@ -1,8 +1,10 @@
 """Prompt-cache files holding veloxquant caches, in mlx_lm's own ``.safetensors`` format.
 
 The file layout is exactly mlx_lm's (``save_prompt_cache`` writes it): each cache's ``state`` flattened
-into arrays, its class name in the metadata. Our caches put their config and options in ``state`` (a JSON
-string), so a file is self-describing.
+into arrays, its class name in the metadata. Our packed caches (single and batch) put their options in ``state`` (a
+JSON string), so a file is self-describing; the seed page's `TurboQuantRVQKVCache` keeps its configuration in
+``meta_state``, which mlx_lm's files do not hold: `save_prompt_cache` here writes it in the metadata
+(`META_STATE_KEY`) and `load_prompt_cache` passes it back.
 
 mlx_lm's ``load_prompt_cache`` looks class names up in its own module's globals, where ours are not.
 `mlx_lm_cache_classes()` is an explicit, reversible context in which they are: inside the ``with``
