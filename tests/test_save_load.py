@@ -30,9 +30,14 @@ from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache, TurboQuantR
 from veloxquant_mlx.cache.turboquant_rvq_cache import TurboQuantRVQKVCache
 from veloxquant_mlx.codecs import codec_layout
 from veloxquant_mlx.config import KVCacheConfig
-from veloxquant_mlx.eval.specs import CONFIGURATIONS
+from veloxquant_mlx.cache.options import CacheOptions
+from veloxquant_mlx.eval.specs import CONFIGURATIONS as REGISTERED
 
 H, D = 2, 64
+# every registered configuration, plus exact recent windows (no registered one keeps them; batches refuse them)
+CONFIGURATIONS = {**REGISTERED,
+                  "recent-affine": CacheOptions(k_bits=4, v_bits=4, sink=4, recent=6, codec="affine"),
+                  "recent-lloyd": CacheOptions(k_bits=3, v_bits=3, sink=2, recent=5, n_outlier_channels=4)}
 WINDOW, KEEP = 100, 4
 # sink (4), key blocks (64 / 128 tokens), a block plus the exact tail it waits in (~71), the window (100)
 EDGES = (0, 1, 3, 4, 5, 63, 64, 65, 71, 72, 73, 99, 100, 101, 127, 128, 129, 200, 256, 300)
@@ -136,10 +141,11 @@ def _check_batch(kind: str, name: str, n: int, sizes, seed: int) -> None:
 
 
 CHECKS = {"single": _check_single, "batch": _check_batch}
-# Batched sliding windows need sink == keep (a clear error at merge otherwise; the budget configurations keep no
-# sink): those pairs are not batched, so there is nothing of theirs to save.
+# Batches refuse exact recent windows, and sliding windows whose sink differs from keep (clear errors at merge; the
+# budget configurations keep no sink): those pairs are never batched, so there is nothing of theirs to save.
 CASES = [(check, kind, name) for check in CHECKS for kind in KINDS for name in CONFIGURATIONS
-         if not (check == "batch" and kind == "rotating" and CONFIGURATIONS[name].sink != KEEP)]
+         if not (check == "batch" and (CONFIGURATIONS[name].recent
+                                       or (kind == "rotating" and CONFIGURATIONS[name].sink != KEEP)))]
 
 
 @pytest.mark.parametrize("check,kind,name", CASES)
@@ -205,9 +211,9 @@ def _run(model, cache, tokens) -> mx.array:
     return logits
 
 
-@pytest.mark.parametrize("name", list(CONFIGURATIONS) + ["rvq"])
+@pytest.mark.parametrize("name", list(REGISTERED) + ["rvq"])
 def test_mlx_lm_files_of_an_enabled_model_continue_exactly(tiny_model, random_tokens, tmp_path, name):
-    options = CONFIGURATIONS[name] if name in CONFIGURATIONS else dict(kind="rvq", k_bits=2)
+    options = REGISTERED[name] if name in REGISTERED else dict(kind="rvq", k_bits=2)
     vq.enable(tiny_model, **options) if isinstance(options, dict) else vq.enable(tiny_model, options)
     try:
         for n in (0, 3, 40, 71, 150):
