@@ -136,7 +136,7 @@ def restore_arrays(cache, state: Dict[str, Any], meta: Dict[str, Any]) -> None:
     rotating = hasattr(cache, "max_size")
     if (stored != meta["offset"]) if not rotating else (stored > meta["offset"]):
         raise _fail(cls, f"offset {meta['offset']} does not match the {stored} tokens stored")
-    if meta["stores"]["codes"] and not cache._fitted:  # codes are only readable with the parameters they were coded with
+    if meta["stores"]["codes"] and not cache._fitted:  # codes read only with the parameters they were coded with
         raise _fail(cls, f"{meta['stores']['codes']} coded tokens but no fitted codec arrays (kfit_* / vfit_*)")
     if expected["s_"] != min(cache.sink, meta["offset"]):
         raise _fail(cls, f"the sink holds {expected['s_']} tokens, expected min(sink={cache.sink}, offset)")

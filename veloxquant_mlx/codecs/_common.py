@@ -35,7 +35,6 @@ def finite_channel_mean(x: mx.array) -> mx.array:
     return mx.where(mx.isfinite(mean), mean, finite)
 
 
-
 def check_codable(parts: Dict[str, Sequence[mx.array]], first: int, codec: str, block: int) -> None:
     """ValueError naming the argument (``keys`` / ``values``) when the tokens a cache is about to code per channel
     over blocks hold a non-finite value: a block's one scale and bias per channel cannot hold it alone (it would

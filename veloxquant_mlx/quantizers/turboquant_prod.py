@@ -19,8 +19,8 @@ from ..core.context import EncodedVector
 from ..dsa.bit_pack import pack
 from ..rotation import ROTATION_KINDS, STREAM_QJL, make_rotation
 from ..validate import check_choice, check_int
-from ._common import (NORM_DTYPES, StoredNorms, as_float_input, as_query, check_encoded, safe_norm, scores, store_norms,
-                      to_output_dtype, unit_and_norm)
+from ._common import (NORM_DTYPES, StoredNorms, as_float_input, as_query, check_encoded, safe_norm, scores,
+                      store_norms, to_output_dtype, unit_and_norm)
 from .turboquant_mse import CODEBOOK_KINDS, TurboQuantMSE
 
 
