@@ -21,7 +21,7 @@ import veloxquant_mlx as vq
 from fake_tokenizer import FakeTokenizer
 from veloxquant_mlx.attention import hook
 from veloxquant_mlx.cache.batch_packed_cache import TurboQuantBatchPackedCache
-from veloxquant_mlx.cache.options import CacheOptions
+from veloxquant_mlx.options import CacheOptions
 from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache, TurboQuantRotatingPackedCache
 from veloxquant_mlx.eval.specs import CONFIGURATIONS
 

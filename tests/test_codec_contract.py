@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from veloxquant_mlx.cache.options import CacheOptions
+from veloxquant_mlx.options import CacheOptions
 from veloxquant_mlx.codecs import CODECS, Codec
 
 H = 3

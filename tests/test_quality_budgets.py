@@ -155,7 +155,7 @@ def test_clipped_codes_lose_less_than_min_max(bits):
     """Least-squared-error clipping never loses to plain min-max (1.0 is a candidate) and gains at low bits."""
     import mlx.core as mx
 
-    from veloxquant_mlx.cache.options import CacheOptions
+    from veloxquant_mlx.options import CacheOptions
     from veloxquant_mlx.codecs import CODECS
 
     x = mx.random.normal((1, 3, 256, 64), key=mx.random.key(bits))

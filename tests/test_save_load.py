@@ -30,7 +30,7 @@ from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache, TurboQuantR
 from veloxquant_mlx.cache.turboquant_rvq_cache import TurboQuantRVQKVCache
 from veloxquant_mlx.codecs import codec_layout
 from veloxquant_mlx.config import KVCacheConfig
-from veloxquant_mlx.cache.options import CacheOptions
+from veloxquant_mlx.options import CacheOptions
 from veloxquant_mlx.eval.specs import CONFIGURATIONS as REGISTERED
 
 H, D = 2, 64

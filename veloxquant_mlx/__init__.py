@@ -25,7 +25,7 @@ _EXPORTS = {
     "TurboQuantPackedCache": "veloxquant_mlx.cache.packed_cache",
     "TurboQuantRotatingPackedCache": "veloxquant_mlx.cache.packed_cache",
     "KVCacheBuilder": "veloxquant_mlx.cache.builder",
-    "CacheOptions": "veloxquant_mlx.cache.options",
+    "CacheOptions": "veloxquant_mlx.options",
     "CODECS": "veloxquant_mlx.codecs",
     "make_prompt_cache": "veloxquant_mlx.cache.builder",
     "save_prompt_cache": "veloxquant_mlx.cache.prompt_cache_io",

@@ -14,7 +14,7 @@ _EXPORTS = {
     "TurboQuantRVQKVCache": "veloxquant_mlx.cache.turboquant_rvq_cache",
     "TurboQuantKVCache": "veloxquant_mlx.cache.turboquant_cache",
     "KVCacheBuilder": "veloxquant_mlx.cache.builder",
-    "CacheOptions": "veloxquant_mlx.cache.options",
+    "CacheOptions": "veloxquant_mlx.options",
     "make_prompt_cache": "veloxquant_mlx.cache.builder",
     "save_prompt_cache": "veloxquant_mlx.cache.prompt_cache_io",
     "load_prompt_cache": "veloxquant_mlx.cache.prompt_cache_io",

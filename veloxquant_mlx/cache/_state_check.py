@@ -41,7 +41,7 @@ def _parse_meta(cls, state, formats) -> Dict[str, Any]:
 
 def read_meta(cls, state) -> Tuple[Any, Dict[str, Any], Dict[str, Any]]:
     """``(CacheOptions, constructor keyword arguments, meta dict)`` from ``state["meta"]``."""
-    from veloxquant_mlx.cache.options import CacheOptions
+    from veloxquant_mlx.options import CacheOptions
 
     meta = _parse_meta(cls, state, _FORMATS)
     try:
@@ -155,7 +155,7 @@ def _count_list(cls, name: str, value, B: int) -> None:
 
 def read_batch_meta(cls, state) -> Tuple[Any, Dict[str, Any], Dict[str, Any]]:
     """``(CacheOptions, constructor keyword arguments, meta dict)`` of a batch cache's ``state["meta"]``."""
-    from veloxquant_mlx.cache.options import CacheOptions
+    from veloxquant_mlx.options import CacheOptions
 
     meta = _parse_meta(cls, state, _BATCH_FORMATS)
     try:

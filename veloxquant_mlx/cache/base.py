@@ -8,7 +8,7 @@
 """
 from __future__ import annotations
 
-from veloxquant_mlx.cache.options import METHODS
+from veloxquant_mlx.options import METHODS
 
 SERVABLE_METHODS = frozenset(METHODS)
 STANDALONE_METHODS = frozenset({"turboquant_mse", "turboquant_prod"})

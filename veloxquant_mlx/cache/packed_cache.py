@@ -38,7 +38,7 @@ from veloxquant_mlx.attention import hook as _hook
 from veloxquant_mlx.attention.packed_sdpa import CodedPart, ExactPart, packed_attention
 from veloxquant_mlx.cache._pipeline import PipelineDependency
 from veloxquant_mlx.cache._token_store import TokenStore
-from veloxquant_mlx.cache.options import CacheOptions
+from veloxquant_mlx.options import CacheOptions
 from veloxquant_mlx.codecs import codec_layout
 from veloxquant_mlx.codecs._common import check_codable
 from veloxquant_mlx.validate import check_bool, check_heads, check_int

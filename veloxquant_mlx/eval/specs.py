@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
-from veloxquant_mlx.cache.options import CacheOptions
+from veloxquant_mlx.options import CacheOptions
 
 CacheFactory = Callable[[object], list]
 
