@@ -29,7 +29,7 @@ def main(argv=None):
     from mlx_lm.models.cache import KVCache
 
     import veloxquant_mlx as vq
-    from veloxquant_mlx.attention import use_packed_attention
+    from veloxquant_mlx.integration import use_packed_attention
     from veloxquant_mlx.eval import corpus_tokens
     from veloxquant_mlx.eval.specs import CONFIGURATIONS
     from veloxquant_mlx.models.loader import load_model

@@ -91,7 +91,7 @@ def make_cache(name, model):
 
 
 def context_for(name):
-    from veloxquant_mlx.attention import use_packed_attention
+    from veloxquant_mlx.integration import use_packed_attention
 
     hooked = name.endswith("-hook") or registered(name) is not None
     return use_packed_attention() if hooked else contextlib.nullcontext()

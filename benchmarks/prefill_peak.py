@@ -24,7 +24,8 @@ def main(argv=None):
     import mlx.core as mx
 
     import veloxquant_mlx as vq
-    from veloxquant_mlx.attention import packed_sdpa, use_packed_attention
+    from veloxquant_mlx.attention import packed_sdpa
+    from veloxquant_mlx.integration import use_packed_attention
     from veloxquant_mlx.eval import corpus_tokens
     from veloxquant_mlx.models.loader import load_model
 

@@ -18,7 +18,7 @@ matrix), ``vw=o_diag|o_full`` (value weights from W_o), ``s=`` exact sink tokens
 Keys/values are quantized then dequantized on insertion into an mlx_lm ``KVCache`` subclass (``ProbeCache``)
 through the project's own codecs (``LloydMaxCodec`` = centring + outlier split + rotation/Lloyd-Max, or
 ``AffineRotatedCodec`` = centring + rotation + ``mx.quantize``), optionally wrapped by a channel transform
-from ``veloxquant_mlx.cache._key_weighting`` (query-aware key weights, output-aware value weights).
+from ``benchmarks/_key_weighting.py`` (query-aware key weights, output-aware value weights).
 
 Two measurements:
 * screen: exact per-layer q/k/v of one window are captured once; each config quantizes k/v per layer and
@@ -130,7 +130,7 @@ class ModelStats:
     def __init__(self, model, tokens):
         import mlx.core as mx
 
-        from veloxquant_mlx.cache import _key_weighting as kw
+        import _key_weighting as kw  # benchmarks/_key_weighting.py, next to this script
 
         self.n_layers = len(model.layers)
         a = model.args
@@ -214,7 +214,7 @@ class ProbeStream:
     def _fit_transform(self, x):
         import mlx.core as mx
 
-        from veloxquant_mlx.cache import _key_weighting as kw
+        import _key_weighting as kw  # benchmarks/_key_weighting.py, next to this script
 
         st, L, tw = self.stats, self.layer, (self.cfg.kw if self.which == "k" else self.cfg.vw)
         xc = x - mx.mean(x, axis=2, keepdims=True)

@@ -255,7 +255,7 @@ def capacity(model, tokens: int, budget_bytes: float, seed: int = 0):
     """
     import mlx.core as mx
 
-    from veloxquant_mlx.attention import use_packed_attention
+    from veloxquant_mlx.integration import use_packed_attention
     from veloxquant_mlx.eval.memory import cache_nbytes, model_kv_shape
     from veloxquant_mlx.eval.specs import resolve_spec
 

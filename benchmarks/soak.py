@@ -89,7 +89,7 @@ def _generate(model, tok, ids, cache, tokens: int, every: int, model_bytes: int)
     import mlx.core as mx
     from mlx_lm import stream_generate
 
-    from veloxquant_mlx.attention import use_packed_attention
+    from veloxquant_mlx.integration import use_packed_attention
 
     eos = sorted(set(getattr(tok, "eos_token_ids", None) or []))
     eos_idx = mx.array(eos, dtype=mx.int32) if eos else None

@@ -1,4 +1,5 @@
-"""The reversible mlx_lm hook (veloxquant_mlx.attention.hook) on a tiny random llama model."""
+"""The reversible attention routing (veloxquant_mlx.integration; its flag in veloxquant_mlx.attention.hook) on a tiny
+random llama model."""
 from __future__ import annotations
 
 import importlib
@@ -11,6 +12,7 @@ from mlx_lm.models import base, llama
 from mlx_lm.models.cache import KVCache
 
 import veloxquant_mlx.attention as attention
+from veloxquant_mlx import integration
 from veloxquant_mlx.attention import hook
 
 ORIGINAL = base.scaled_dot_product_attention
@@ -64,15 +66,17 @@ def run(model, caches, prompt=(1, 5, 9, 2, 7, 3, 11, 4), steps=3):
 def test_nothing_patched_at_import():
     importlib.reload(attention)
     assert base.scaled_dot_product_attention is ORIGINAL and not hook.is_active()
+    # the routing lives in the integration, not in the attention package (which sits below the caches)
+    assert not hasattr(attention, "use_packed_attention") and not hasattr(hook, "install")
 
 
 def test_protocol_cache_routed_inside_original_back_outside(model):
     ref = run(model, [KVCache() for _ in range(2)])
     caches = [CountingCache() for _ in range(2)]
-    with attention.use_packed_attention():
+    with integration.use_packed_attention():
         assert hook.is_active()
-        assert base.scaled_dot_product_attention is hook.packed_scaled_dot_product_attention
-        assert llama.scaled_dot_product_attention is hook.packed_scaled_dot_product_attention
+        assert base.scaled_dot_product_attention is integration.packed_scaled_dot_product_attention
+        assert llama.scaled_dot_product_attention is integration.packed_scaled_dot_product_attention
         got = run(model, caches)
     assert [c.calls for c in caches] == [4, 4]  # prefill + 3 decode steps, per layer
     for a, b in zip(got, ref):
@@ -92,8 +96,8 @@ def test_cache_without_protocol_takes_original_path(model, monkeypatch):
         seen.append(kwargs.get("cache", args[3] if len(args) > 3 else None))
         return ORIGINAL(*args, **kwargs)
 
-    with attention.use_packed_attention():
-        monkeypatch.setattr(hook, "_original", spy)  # the hook calls whatever it saved as the original
+    with integration.use_packed_attention():
+        monkeypatch.setattr(integration, "_original", spy)  # the hook calls whatever it saved as the original
         got = run(model, [KVCache() for _ in range(2)])
         monkeypatch.undo()
     assert len(seen) == 8 and all(isinstance(c, KVCache) for c in seen)
@@ -102,33 +106,33 @@ def test_cache_without_protocol_takes_original_path(model, monkeypatch):
 
 
 def test_routes_model(model):
-    assert not hook.routes_model(model)
-    with attention.use_packed_attention():
-        assert hook.routes_model(model)
-        assert not hook.routes_model(object())  # a class whose module never imported the function
-    assert not hook.routes_model(model)
+    assert not integration.routes_model(model)
+    with integration.use_packed_attention():
+        assert integration.routes_model(model)
+        assert not integration.routes_model(object())  # a class whose module never imported the function
+    assert not integration.routes_model(model)
 
 
 def test_exception_inside_restores():
     with pytest.raises(ZeroDivisionError):
-        with attention.use_packed_attention():
-            assert llama.scaled_dot_product_attention is hook.packed_scaled_dot_product_attention
+        with integration.use_packed_attention():
+            assert llama.scaled_dot_product_attention is integration.packed_scaled_dot_product_attention
             1 / 0
     assert llama.scaled_dot_product_attention is ORIGINAL and not hook.is_active()
 
 
 def test_nesting_and_explicit_pair():
-    with attention.use_packed_attention():
-        with attention.use_packed_attention():
+    with integration.use_packed_attention():
+        with integration.use_packed_attention():
             assert hook.is_active()
         # the inner exit must not restore while the outer block is still active
-        assert base.scaled_dot_product_attention is hook.packed_scaled_dot_product_attention
-        attention.install()
-        attention.uninstall()
-        assert llama.scaled_dot_product_attention is hook.packed_scaled_dot_product_attention
+        assert base.scaled_dot_product_attention is integration.packed_scaled_dot_product_attention
+        integration.install()
+        integration.uninstall()
+        assert llama.scaled_dot_product_attention is integration.packed_scaled_dot_product_attention
     assert base.scaled_dot_product_attention is ORIGINAL
     with pytest.raises(RuntimeError, match="install"):
-        attention.uninstall()
+        integration.uninstall()
 
 
 def test_module_imported_while_active_is_restored():
@@ -137,10 +141,10 @@ def test_module_imported_while_active_is_restored():
     name = "mlx_lm.models.qwen2"
     saved = sys.modules.pop(name, None)
     try:
-        with attention.use_packed_attention():
+        with integration.use_packed_attention():
             mod = importlib.import_module(name)
             assert mod is not saved
-            assert mod.scaled_dot_product_attention is hook.packed_scaled_dot_product_attention
+            assert mod.scaled_dot_product_attention is integration.packed_scaled_dot_product_attention
         assert mod.scaled_dot_product_attention is ORIGINAL
     finally:
         if saved is not None:
@@ -154,7 +158,7 @@ def test_foreign_patch_is_left_alone():
         return ORIGINAL(*a, **k)
 
     try:
-        with attention.use_packed_attention():
+        with integration.use_packed_attention():
             llama.scaled_dot_product_attention = other
         assert llama.scaled_dot_product_attention is other
         assert base.scaled_dot_product_attention is ORIGINAL
@@ -171,7 +175,7 @@ def test_sinks_and_arguments_forwarded():
     q = mx.zeros((1, 2, 1, 4))
     r = Recorder()
     sinks = mx.ones((2,))
-    with attention.use_packed_attention():
+    with integration.use_packed_attention():
         out = base.scaled_dot_product_attention(q, None, None, cache=r, scale=0.5, mask="causal", sinks=sinks)
         assert out is q and r.got[0] == 0.5 and r.got[1] == "causal" and r.got[2] is sinks
         base.scaled_dot_product_attention(q, None, None, r, 0.25, None)
@@ -224,7 +228,7 @@ def test_packed_cache_end_to_end(model, codec, monkeypatch):
     ref = run(model, [TurboQuantPackedCache(**options) for _ in range(2)], prompt, steps=4)  # decode + SDPA
     assert calls == {"attend": 0, "fetch": 2 * 5}
     caches = [TurboQuantPackedCache(**options) for _ in range(2)]
-    with attention.use_packed_attention():
+    with integration.use_packed_attention():
         got = run(model, caches, prompt, steps=4)
     assert calls == {"attend": 2 * 5, "fetch": 2 * 5}  # every layer and step attended from its codes
     assert all(c.n_coded > 0 for c in caches)  # the coded path really ran
@@ -239,8 +243,8 @@ def test_hold_while_alive_routes_until_the_object_is_collected():
         pass
 
     a, b = Holder(), Holder()
-    hook.hold_while_alive(a)
-    hook.hold_while_alive(b)
+    integration.hold_while_alive(a)
+    integration.hold_while_alive(b)
     assert hook.is_active() and llama.scaled_dot_product_attention is not ORIGINAL
     del a
     gc.collect()
@@ -249,7 +253,7 @@ def test_hold_while_alive_routes_until_the_object_is_collected():
     gc.collect()
     assert not hook.is_active() and llama.scaled_dot_product_attention is ORIGINAL
     with pytest.raises(TypeError):  # a list cannot be weakly referenced: refused before anything is counted
-        hook.hold_while_alive([])
+        integration.hold_while_alive([])
     assert not hook.is_active()
 
 
@@ -260,9 +264,9 @@ def test_a_hold_whose_count_was_taken_back_releases_nothing():
         pass
 
     a = Holder()
-    hook.hold_while_alive(a)
-    hook.uninstall()  # an unbalanced explicit uninstall takes the hold's count
+    integration.hold_while_alive(a)
+    integration.uninstall()  # an unbalanced explicit uninstall takes the hold's count
     assert not hook.is_active()
     del a
     gc.collect()  # its release finds nothing to undo: no negative count, mlx_lm's function stays in place
-    assert not hook.is_active() and hook._depth == 0 and llama.scaled_dot_product_attention is ORIGINAL
+    assert not hook.is_active() and integration._depth == 0 and llama.scaled_dot_product_attention is ORIGINAL

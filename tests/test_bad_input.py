@@ -334,7 +334,7 @@ def test_one_non_finite_coordinate_stays_in_its_token_or_is_refused(codec, side,
         assert all(bool(mx.array_equal(a, b, equal_nan=True)) for a, b in zip(cache._fetch(mx.float32), hist))
     else:
         more = cache.update_and_fetch(k2, v2)
-        assert cache.sink_store.length + cache.n_coded > NF_BAD  # token 10 is coded now
+        assert cache.rows.sink_n[0] + cache.n_coded > NF_BAD  # token 10 is coded now
         _assert_only_token_bad(more[i], clean_more[i], bad)
         _nf_attention(cache, *more, side)
 
@@ -400,7 +400,7 @@ ZERO_CASES = [(name, shape, after) for name in sorted(_zero_test_caches()) for s
 @pytest.mark.parametrize("name,shape,after", ZERO_CASES,
                          ids=[f"{n}-{s}-{'after-an-update' if a else 'fresh'}" for n, s, a in ZERO_CASES])
 def test_empty_batch_or_heads_refused_naming_keys(name, shape, after):
-    from veloxquant_mlx.attention import use_packed_attention
+    from veloxquant_mlx import use_packed_attention
 
     shape = ZERO_SHAPES[shape]
     cache = _zero_test_caches()[name]()
@@ -416,7 +416,7 @@ def test_empty_batch_or_heads_refused_naming_keys(name, shape, after):
 
 
 def test_batch_filtered_to_no_sequences_refuses_a_decode_step():
-    from veloxquant_mlx.attention import use_packed_attention
+    from veloxquant_mlx import use_packed_attention
 
     caches = [TurboQuantPackedCache(CONFIGURATIONS["tq-affine-k8v4"]) for _ in range(2)]
     for c in caches:

@@ -8,6 +8,9 @@ matmuls), which can flip a code of a later layer: those comparisons are margin-a
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -19,8 +22,8 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 import veloxquant_mlx as vq
 from fake_tokenizer import FakeTokenizer
-from veloxquant_mlx.attention import hook
-from veloxquant_mlx.cache.batch_packed_cache import TurboQuantBatchPackedCache
+from veloxquant_mlx import use_packed_attention
+from veloxquant_mlx.cache.packed_cache import TurboQuantBatchPackedCache
 from veloxquant_mlx.options import CacheOptions
 from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache, TurboQuantRotatingPackedCache
 from veloxquant_mlx.eval.specs import CONFIGURATIONS
@@ -32,6 +35,9 @@ CONFIGS = {
     "lloyd_max-k4v4": CONFIGURATIONS["tq-mse-k4v4"],
     "affine-k4v4": CacheOptions(codec="affine", k_bits=4, v_bits=4, sink=4),
     "float16-nosink": CacheOptions(codec="float16", k_bits=16, v_bits=16),
+    # exact recent windows: per-token codes read the tail's older tokens through a round trip; block codes wait
+    "affine-recent": CacheOptions(codec="affine", k_bits=4, v_bits=4, sink=4, recent=6, trim_headroom=3),
+    "affine_block-k8v4-recent": dataclasses.replace(CONFIGURATIONS["tq-affine-k8v4"], recent=8),
 }
 RNG = np.random.default_rng(5)
 LENGTHS = (3, 80, 41, 150, 20, 7, 100, 1)  # around the sink (4) and 32-token blocks
@@ -100,7 +106,7 @@ def _run_cache_level(options, lengths, decode_steps, pad_value=0.0, make=None):
     masks = [c.make_mask(n) for c, n in zip(alone, lengths)]  # what mlx_lm gives each alone for its prompt
     T = max(lengths)
     diffs = []
-    with hook.use_packed_attention():
+    with use_packed_attention():
         for c, (k, v), n in zip(alone, streams, lengths):
             c.update_and_fetch(k[:, :, :n], v[:, :, :n])
         pad = lambda x, n: mx.concatenate([x[:, :, :n], mx.full((1, H, T - n, D), pad_value)], axis=2)  # noqa: E731
@@ -152,7 +158,7 @@ def test_nan_in_pad_positions_changes_nothing(name):
     assert max(d_dirty) < 1e-5 and d_dirty == d_clean
     for i in range(len(lengths)):
         _states_equal(dirty.extract(i), clean.extract(i))
-    assert all(mx.all(mx.isfinite(a)).item() for a in dirty._arrays() if mx.issubdtype(a.dtype, mx.floating))
+    assert all(mx.all(mx.isfinite(a)).item() for a in dirty.rows.arrays() if mx.issubdtype(a.dtype, mx.floating))
 
 
 def test_filter_extend_and_extract_keep_every_row_exact():
@@ -179,7 +185,6 @@ def test_extend_concatenates_rows_as_a_re_merge_would(name, window):
     """`extend` joins two decoding batches by concatenating their arrays (stores padded to the larger one's slots,
     tails right-aligned): every row then holds what merging all rows' per-sequence caches gives, and attention
     over the next decode steps is the same."""
-    import copy
 
     options = CONFIGS[name]
     make = None if window is None else (lambda: TurboQuantRotatingPackedCache(options, max_size=window,
@@ -188,13 +193,13 @@ def test_extend_concatenates_rows_as_a_re_merge_would(name, window):
     _, b, _ = _run_cache_level(options, (90, 33), decode_steps=1, make=make)
     merged = type(a).merge([c.extract(i) for c in (a, b) for i in range(c.B)])
     joined = copy.deepcopy(a)
-    assert joined._join_rows(copy.deepcopy(b))  # the concatenating path, not the re-merge
+    joined.extend(copy.deepcopy(b))
     assert joined.B == merged.B == 5 and joined.offset.tolist() == merged.offset.tolist()
     for i in range(5):
         _states_equal(joined.extract(i), merged.extract(i))
     assert joined.nbytes == _arrays_reachable(joined)
     g = np.random.default_rng(3)
-    with hook.use_packed_attention():
+    with use_packed_attention():
         for step in range(70):  # crosses a 64-token block for every row
             k, v = (mx.array(g.standard_normal((5, H, 1, D)), mx.float32) for _ in range(2))
             q = mx.array(g.standard_normal((5, 2 * H, 1, D)), mx.float32)
@@ -207,7 +212,6 @@ def test_extend_concatenates_rows_as_a_re_merge_would(name, window):
         _states_equal(joined.extract(i), merged.extract(i))
     emptied = copy.deepcopy(a)
     emptied.filter([])  # every sequence finished: no rows, old arrays still held
-    assert not emptied._join_rows(b)
     emptied.extend(copy.deepcopy(b))
     assert emptied.B == 2
     for i in range(2):
@@ -267,7 +271,62 @@ def test_sliding_window_batch_drops_evicted_slots():
     make = lambda: TurboQuantRotatingPackedCache(options, max_size=16, keep=4)  # noqa: E731
     alone, batch, diffs = _run_cache_level(options, (3, 30), decode_steps=300, make=make)
     assert max(diffs) < 1e-5
-    assert batch.k_codes.capacity <= 16 + 2 * 256  # the window, plus at most two growth steps of slots
+    assert batch.rows.k_codes.capacity <= 16 + 2 * 256  # the window, plus at most two growth steps of slots
+    for i, c in enumerate(alone):
+        _states_equal(batch.extract(i), c)
+
+
+# -- everything a single cache accepts, a batch accepts: sink != keep, trim, exact recent windows -------------------
+def _decode_both(alone, batch, steps: int, seed: int) -> float:
+    """Both go on decoding the same tokens; the largest attention difference per row."""
+    g, worst = np.random.default_rng(seed), 0.0
+    with use_packed_attention():
+        for _ in range(steps):
+            k, v = (mx.array(g.standard_normal((len(alone), H, 1, D)), mx.float32) for _ in range(2))
+            q = mx.array(g.standard_normal((len(alone), 2 * H, 1, D)), mx.float32)
+            for i, c in enumerate(alone):
+                c.update_and_fetch(k[i:i + 1], v[i:i + 1])
+            batch.update_and_fetch(k, v)
+            got = batch.attend_packed(q, D ** -0.5, None)
+            want = mx.concatenate([c.attend_packed(q[i:i + 1], D ** -0.5, None) for i, c in enumerate(alone)])
+            worst = max(worst, mx.abs(got - want).max().item())
+    return worst
+
+
+@pytest.mark.parametrize("sink, keep, recent", [(2, 4, 0), (0, 3, 0), (1, 4, 5)])
+def test_sliding_window_batch_with_sink_other_than_keep(sink, keep, recent):
+    """A window keeps its ``keep`` first tokens, of which only ``sink`` are exact: the others are codes the window
+    never evicts (each row skips its own evicted codes after them). Rows equal their caches alone, bit for bit."""
+    options = dataclasses.replace(CONFIGS["affine-k4v4"], sink=sink, recent=recent)
+    make = lambda: TurboQuantRotatingPackedCache(options, max_size=24, keep=keep)  # noqa: E731
+    lengths = (5, 40, 20, 2, 23)
+    alone, batch, diffs = _run_cache_level(options, lengths, decode_steps=30, make=make)
+    assert max(diffs) < 1e-5, diffs
+    assert [c.size() for c in alone] == [24] * len(lengths)  # every row's window is full and has evicted
+    for i, c in enumerate(alone):
+        _states_equal(batch.extract(i), c)
+    assert batch.nbytes == _arrays_reachable(batch)
+    assert _decode_both(alone, batch, 300, seed=7) < 1e-5  # past a dropped step of evicted slots
+    assert batch.rows.k_codes.capacity <= 24 + 2 * 256
+    for i, c in enumerate(alone):
+        _states_equal(batch.extract(i), c)
+
+
+@pytest.mark.parametrize("name", ["affine_block-k8v4", "lloyd_max-k4v4", "affine-recent", "affine_block-k8v4-recent"])
+def test_batch_trim_equals_each_sequence_trimmed(name):
+    """``trim(n)`` (speculative decoding's rejected drafts) drops every row's ``n`` newest tokens exactly as each
+    sequence alone does (a cut block's survivors back in the tail), and the rows go on decoding as alone."""
+    options = CONFIGS[name]
+    alone, batch, _ = _run_cache_level(options, (5, 70, 33, 2), decode_steps=3)
+    for n in (1, 5, 40):
+        assert batch.is_trimmable() and batch.trim(n) == n
+        for c in alone:
+            c.trim(n)
+        assert batch.offset.tolist() == [c.offset for c in alone]
+        for i, c in enumerate(alone):
+            _states_equal(batch.extract(i), c)
+        assert _decode_both(alone, batch, 3, seed=n) < 1e-5
+    assert _decode_both(alone, batch, 70, seed=1) < 1e-5  # codes whole blocks again after the trims
     for i, c in enumerate(alone):
         _states_equal(batch.extract(i), c)
 
@@ -277,7 +336,7 @@ def test_a_chunk_query_without_a_stored_chunk_is_refused_clearly():
     none: a ValueError naming the queries, not a TypeError from unpacking nothing."""
     options = CONFIGS["affine_block-k8v4"]
     alone = []
-    with hook.use_packed_attention():
+    with use_packed_attention():
         for i, n in enumerate((30, 90)):
             c = TurboQuantPackedCache(options)
             c.update_and_fetch(*_stream(n, seed=i))
@@ -290,10 +349,6 @@ def test_a_chunk_query_without_a_stored_chunk_is_refused_clearly():
 
 
 def test_refusals_are_clear():
-    with pytest.raises(ValueError, match="sink must equal keep"):
-        TurboQuantRotatingPackedCache.merge([TurboQuantRotatingPackedCache(max_size=8, keep=4, codec="affine")])
-    with pytest.raises(ValueError, match="recent"):
-        TurboQuantPackedCache.merge([TurboQuantPackedCache(recent=4, codec="affine")])
     with pytest.raises(ValueError, match="options"):
         TurboQuantPackedCache.merge([TurboQuantPackedCache(k_bits=4), TurboQuantPackedCache(k_bits=3)])
     with pytest.raises(ValueError, match="fetch_placeholders"):
@@ -309,7 +364,7 @@ def test_refusals_are_clear():
         batch.make_mask(1, window_size=4)
     with pytest.raises(ValueError, match="enable"):  # attention on codes only
         batch.update_and_fetch(mx.zeros((2, H, 1, D)), mx.zeros((2, H, 1, D)))
-    with hook.use_packed_attention(), pytest.raises(ValueError, match="batch size"):
+    with use_packed_attention(), pytest.raises(ValueError, match="batch size"):
         batch.update_and_fetch(mx.zeros((3, H, 1, D)), mx.zeros((3, H, 1, D)))
 
 
@@ -415,9 +470,35 @@ def _alone_tokens(model, tok, prompt, max_tokens):
     return [r.token for r in out], np.array(mx.stack([r.logprobs for r in out]))
 
 
-def test_batch_generator_with_sequences_joining_and_leaving(model, batched_attention):
+class _WindowedLlama(llama.Model):
+    """A tiny llama whose layers are 24-token windows keeping their first 4 tokens (mlx_lm's ``max_kv_size``
+    layout), so a configuration with ``sink`` < 4 gives windows whose sink differs from keep."""
+
+    def make_cache(self):
+        return [mlx_cache.RotatingKVCache(max_size=24, keep=4) for _ in self.layers]
+
+
+def _windowed_model():
+    mx.random.seed(0)
+    m = _WindowedLlama(llama.ModelArgs(model_type="llama", num_hidden_layers=2, rms_norm_eps=1e-5, hidden_size=128,
+                                       intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                       vocab_size=128))
+    mx.eval(m.parameters())
+    return m
+
+
+@pytest.mark.parametrize("case", ["default", "affine-recent", "window-sink2-keep4"])
+def test_batch_generator_with_sequences_joining_and_leaving(model, batched_attention, case):
+    """mlx_lm's own BatchGenerator (prefill in chunks of two, joins while others decode, finished rows leave):
+    every sequence gets the tokens it gets alone, with the default configuration, exact recent windows, and
+    sliding windows whose sink (2) differs from keep (4)."""
     tok = TokenizerWrapper(FakeTokenizer())
-    vq.enable(model)
+    config = {"default": None, "affine-recent": CONFIGS["affine-recent"],
+              "window-sink2-keep4": dataclasses.replace(CONFIGS["affine-k4v4"], sink=2)}[case]
+    single = TurboQuantRotatingPackedCache if case.startswith("window") else TurboQuantPackedCache
+    if case.startswith("window"):
+        model = _windowed_model()
+    vq.enable(model, config)
     try:
         first, later = [(PROMPTS[1], 12), (PROMPTS[4], 30)], [(PROMPTS[3], 20), (PROMPTS[0], 6), (PROMPTS[6], 9)]
         gen = BatchGenerator(model, max_tokens=30, completion_batch_size=8, prefill_batch_size=2)
@@ -439,8 +520,10 @@ def test_batch_generator_with_sequences_joining_and_leaving(model, batched_atten
             assert len(got[uid]) == m
             _assert_same_greedy(lp, np.stack(logprobs[uid]), tol=1e-2)
             assert got[uid] == tokens
-            assert all(type(c) is TurboQuantPackedCache for c in finished[uid]), finished[uid]
+            assert all(type(c) is single for c in finished[uid]), finished[uid]
             assert [c.offset for c in finished[uid]] == [len(p) + m] * 2, (len(p), m)  # the last token was fed (the next step runs ahead)
+            if case.startswith("window"):
+                assert all((c.sink, c.keep) == (2, 4) for c in finished[uid])
     finally:
         vq.disable(model)
     assert batched_attention["attend_packed"] and batched_attention["extend"] and batched_attention["filter"]
@@ -475,7 +558,7 @@ def test_left_padded_prompt_equals_each_sequence_alone():
     batch.prepare(left_padding=[T - n for n in lengths])
     assert batch.offset.tolist() == [n - T for n in lengths]  # RoPE puts each row's first real token at 0
     pad = lambda x: mx.concatenate([mx.full((1, H, T - x.shape[2], D), float("nan")), x], axis=2)  # noqa: E731
-    with hook.use_packed_attention():
+    with use_packed_attention():
         for c, (k, v) in zip(alone, streams):
             c.update_and_fetch(k, v)
         batch.update_and_fetch(mx.concatenate([pad(k) for k, _ in streams]), mx.concatenate([pad(v) for _, v in streams]))

@@ -39,7 +39,8 @@ class HybridModel:
 
 def test_fresh_caches_on_every_call():
     model = llama_model()
-    a, b = vq.make_prompt_cache(model), vq.make_prompt_cache(model)
+    # explicit options: the default (affine_block keys) needs head_dim >= 32, this model's is 16
+    a, b = vq.make_prompt_cache(model, k_bits=4), vq.make_prompt_cache(model, k_bits=4)
     assert len(a) == 3 and all(type(c) is TurboQuantPackedCache for c in a)
     assert all(x is not y for x, y in zip(a, b))
     assert a[0].config.head_dim == 16  # read from the model (hidden_size / num_attention_heads)
@@ -177,9 +178,10 @@ def teacher_forced(model, caches, steps=ROUTED_STEPS):
 def routed_state():
     from mlx_lm.models import base
 
+    from veloxquant_mlx import integration
     from veloxquant_mlx.attention import hook
 
-    replaced = hook.packed_scaled_dot_product_attention
+    replaced = integration.packed_scaled_dot_product_attention
     return hook.is_active(), base.scaled_dot_product_attention is replaced, llama.scaled_dot_product_attention is replaced
 
 
@@ -187,9 +189,9 @@ def routed_state():
 def test_caches_attend_from_codes_while_alive_and_match_the_decoded_path(name, attention_on_codes):
     import gc
 
-    from veloxquant_mlx.eval.specs import CONFIGURATIONS
+    from veloxquant_mlx.options import PRESETS
 
-    model, options = routed_model(), CONFIGURATIONS[name]
+    model, options = routed_model(), PRESETS[name]
     decoded_caches = vq.make_prompt_cache(model, options, route_attention=False)
     assert routed_state() == (False, False, False)  # nothing routed: these caches decode their history
     decoded = teacher_forced(model, decoded_caches)
@@ -229,12 +231,12 @@ def test_plain_caches_are_bit_identical_before_during_and_after():
 
 
 def test_route_attention_is_checked_and_models_the_hook_cannot_route_are_left_alone(monkeypatch):
-    from veloxquant_mlx.cache import builder
+    from veloxquant_mlx import integration
 
     model = routed_model(1)
     with pytest.raises(TypeError, match="route_attention must be a bool"):
         vq.make_prompt_cache(model, route_attention="yes")
-    monkeypatch.setattr(builder, "attention_is_routable", lambda m: False)  # e.g. a model calling mx.fast SDPA
+    monkeypatch.setattr(integration, "attention_is_routable", lambda m: False)  # e.g. a model calling mx.fast SDPA
     caches = vq.make_prompt_cache(model)
     assert routed_state() == (False, False, False) and not any(c.fetch_placeholders for c in caches)
 
@@ -245,7 +247,7 @@ def test_routing_count_is_thread_safe():
     import gc
     import threading
 
-    from veloxquant_mlx.attention import use_packed_attention
+    from veloxquant_mlx.integration import use_packed_attention
 
     model = routed_model()
     errors, start = [], threading.Barrier(6)
@@ -285,14 +287,15 @@ def test_a_release_while_the_routing_lock_is_held_is_deferred_not_deadlocked():
     for the lock: its release is queued and applied by the next holder."""
     import gc
 
-    from veloxquant_mlx.attention import hook, use_packed_attention
+    from veloxquant_mlx import integration
+    from veloxquant_mlx.attention import hook
 
     model = routed_model(1)
     caches = vq.make_prompt_cache(model)
-    with hook._lock:
+    with integration._lock:
         del caches
         gc.collect()  # the finalizer ran here, on the thread holding the lock
-        assert hook.is_active() and len(hook._pending) == 1
-    with use_packed_attention():  # the next holder applies it
+        assert hook.is_active() and len(integration._pending) == 1
+    with integration.use_packed_attention():  # the next holder applies it
         pass
-    assert routed_state() == (False, False, False) and not hook._pending
+    assert routed_state() == (False, False, False) and not integration._pending

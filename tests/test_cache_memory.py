@@ -51,7 +51,7 @@ def _fill(caches, prompt: int, steps: int, seed: int = 0):
 
 
 def _arrays(cache):
-    return [a for s in cache._stores() for a in s.buffers.values()]
+    return cache.rows.arrays()
 
 
 @pytest.mark.parametrize("config", ["tq-affine-k4v4", "tq-affine-k8v4", "tq-mse-k4v4"])

@@ -1,6 +1,7 @@
 """The ``veloxquant`` CLI: in-process ``main([...])`` for errors and tables, one real subprocess."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -9,7 +10,10 @@ import sys
 import pytest
 
 from veloxquant_mlx.cli import main
+from veloxquant_mlx.eval import registered_specs, resolve_spec
+from veloxquant_mlx.eval.memory import measure_bytes_per_token
 from veloxquant_mlx.models import loader as loader_mod
+from veloxquant_mlx.options import DEFAULT_NAME
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -66,15 +70,13 @@ LAYOUT_BYTES = {
 
 
 def test_methods_lists_measured_bytes(capsys):
-    from veloxquant_mlx.eval import registered_specs
-
     assert main(["methods", "--head-dim", "64", "--kv-heads", "2"]) == 0
     out = capsys.readouterr().out
     rows = {l.split()[0]: l.split() for l in out.splitlines() if l.split() and l.split()[0] in LAYOUT_BYTES}
     assert set(rows) == {s.name for s in registered_specs()} == set(LAYOUT_BYTES)
-    from veloxquant_mlx.eval import resolve_spec
-    from veloxquant_mlx.eval.memory import measure_bytes_per_token
-
+    # the one default (options.DEFAULT_NAME) is marked, in its description, and named below the table
+    assert [name for name, row in rows.items() if "(default)" in row] == [DEFAULT_NAME]
+    assert f"default: {DEFAULT_NAME} (`generate`, `serve`" in out
     for name, expected in LAYOUT_BYTES.items():
         m = measure_bytes_per_token(resolve_spec(name).make_cache, H, D)
         assert m["marginal_bytes_per_token_per_layer"] == expected, name
@@ -141,8 +143,6 @@ def test_demo_small(smollm2, capsys, tmp_path, attention_on_codes):
     assert rc == 0
     text = capsys.readouterr().out
     assert "tq-mse-k4v4" in text and "Δppl" in text
-    import json
-
     data = json.loads(out.read_text())
     methods = data["methods"]
     assert set(methods) == {"kv", *DEMO_KL}

@@ -1,4 +1,4 @@
-"""KVCacheConfig validation, deprecated options, replace and dict round trip."""
+"""KVCacheConfig validation, deprecated options, replace and dict round trip; the outlier rule it shares."""
 import dataclasses
 import json
 import warnings
@@ -6,8 +6,12 @@ import warnings
 import numpy as np
 import pytest
 
+from veloxquant_mlx import config as config_mod
+from veloxquant_mlx import options as options_mod
 from veloxquant_mlx.config import KVCacheConfig
+from veloxquant_mlx.options import CacheOptions
 from veloxquant_mlx.quantizers import QUANTIZERS
+from veloxquant_mlx.validate import check_outlier_channels
 
 
 def test_defaults_and_value_bits():
@@ -67,3 +71,34 @@ def test_replace_and_dict_roundtrip():
     assert KVCacheConfig.from_dict(data) == cfg
     with pytest.raises(ValueError, match="bogus"):
         KVCacheConfig.from_dict({**data, "bogus": 1})
+
+
+def test_outlier_channels_one_rule_for_both_configuration_types(monkeypatch):
+    """`KVCacheConfig` and `CacheOptions` check n_outlier_channels with the one function
+    `validate.check_outlier_channels`: 0, or both channel groups (outliers, the others) of at least ``min_group``
+    channels. The seed's standalone cache keeps outliers as int8 columns (groups of 1 will do); the packed caches
+    rotate and code each group (2)."""
+    assert [KVCacheConfig(head_dim=64, n_outlier_channels=n).n_outlier_channels for n in (0, 1, 63)] == [0, 1, 63]
+    assert [CacheOptions(head_dim=64, n_outlier_channels=n).n_outlier_channels for n in (0, 2, 62)] == [0, 2, 62]
+    for n in (1, 63):
+        with pytest.raises(ValueError, match=r"n_outlier_channels must be 0 or in 2\.\.62"):
+            CacheOptions(head_dim=64, n_outlier_channels=n)
+    with pytest.raises(ValueError, match=r"n_outlier_channels must be 0 or in 2\.\.head_dim-2"):
+        CacheOptions(n_outlier_channels=1)
+    with pytest.raises(ValueError, match=r"n_outlier_channels must be 0 or in 1\.\.63"):
+        KVCacheConfig(head_dim=64, n_outlier_channels=64)
+    assert check_outlier_channels("n", np.int64(3), 8) == 3 and check_outlier_channels("n", 0, 1) == 0
+    with pytest.raises(TypeError, match="n must be an int"):
+        check_outlier_channels("n", 2.0)
+    # both go through that one function
+    seen = []
+
+    def spy(name, value, head_dim=None, *, min_group=2):
+        seen.append((name, min_group))
+        return check_outlier_channels(name, value, head_dim, min_group=min_group)
+
+    monkeypatch.setattr(config_mod, "check_outlier_channels", spy)
+    monkeypatch.setattr(options_mod, "check_outlier_channels", spy)
+    KVCacheConfig(head_dim=16, n_outlier_channels=4)
+    CacheOptions(head_dim=16, n_outlier_channels=4)
+    assert seen == [("KVCacheConfig.n_outlier_channels", 1), ("n_outlier_channels", 2)]

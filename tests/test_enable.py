@@ -16,6 +16,7 @@ from fake_tokenizer import FakeTokenizer
 from veloxquant_mlx import integration
 from veloxquant_mlx.attention import hook
 from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache, TurboQuantRotatingPackedCache
+from veloxquant_mlx.options import DEFAULT
 
 ORIGINAL = base.scaled_dot_product_attention
 PROMPT = [int(t) for t in np.random.default_rng(3).integers(1, 96, 80)]  # > one 64-token key block
@@ -71,7 +72,7 @@ def test_generate_and_stream_generate_use_our_caches_from_codes(attention_on_cod
 
 def test_logits_with_and_without_routing_agree(attention_on_codes):
     model = tiny()
-    explicit = vq.make_prompt_cache(model, integration._default_options(), route_attention=False)
+    explicit = vq.make_prompt_cache(model, DEFAULT, route_attention=False)
     decoded = teacher_forced_logits(model, explicit)  # hook off: the caches decode their history
     assert attention_on_codes["attend_packed"] == 0
     vq.enable(model)

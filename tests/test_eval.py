@@ -38,7 +38,7 @@ TINY_KL = {"mlx-q8": 8.0e-6, "mlx-q4": 1.68e-3, "mlx-q2": 5.00e-2, "tq-mse-k4v4"
 
 
 def test_lockstep_registered_specs_on_tiny_model(tiny_model, random_tokens, attention_on_codes):
-    from veloxquant_mlx.attention import use_packed_attention
+    from veloxquant_mlx.integration import use_packed_attention
 
     specs = registered_specs()
     assert set(TINY_KL) == {s.name for s in specs} - {"kv"}  # every registered configuration is run
@@ -124,7 +124,7 @@ def test_passkey_counts_the_answers_that_hold_the_key(tiny_model, tiny_tokenizer
 def test_passkey_on_smollm2(smollm2, corpus_ids, attention_on_codes):
     # Measured: the plain cache and tq-mse-k4v4 (attention on its codes) both answer the key at 160 tokens,
     # depth 0.5, and at 300 tokens, depths 0.2 and 0.8 (where tq-mse-k2v2 and mlx-q2 fail). One trial keeps it cheap.
-    from veloxquant_mlx.attention import use_packed_attention
+    from veloxquant_mlx.integration import use_packed_attention
 
     model, tok = smollm2
     specs = [resolve_spec("tq-mse-k4v4")]  # (the plain cache's pass is measured above, not rerun: 3 s)

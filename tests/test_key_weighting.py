@@ -1,5 +1,8 @@
-"""Tests of the query-aware key weighting (pure functions in veloxquant_mlx.cache._key_weighting)."""
+"""Tests of the query-aware key weighting (research code: pure functions in benchmarks/_key_weighting.py)."""
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -7,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from veloxquant_mlx.cache import _key_weighting as kw
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import _key_weighting as kw  # noqa: E402
 
 
 def _rand(shape, seed, scale=None):

@@ -33,7 +33,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 import veloxquant_mlx as vq
 from fake_tokenizer import FakeTokenizer
-from veloxquant_mlx.cache.prompt_cache_io import mlx_lm_cache_classes
+from veloxquant_mlx.integration import mlx_lm_cache_classes
 
 WEIGHT_SCALE = 4.0
 MARGIN = 0.15
@@ -307,9 +307,10 @@ def test_nbytes_is_the_sum_of_stored_arrays():
     cache = vq.make_prompt_cache(model, k_bits=3, v_bits=2, sink=2, recent=3, n_outlier_channels=4)
     greedy(model, cache, batch_prompt(2), n=6)
     for c in cache:
-        stores = (c.k_codes, c.v_codes, c.sink_store, c.tail)
-        held = sum(b.nbytes for s in stores for b in s.buffers.values())
-        held += sum(a.nbytes for a in c._fitted_arrays().values())
+        r = c.rows
+        stores = [r.k_codes.arrays, r.v_codes.arrays, r.sink or {}, r.tail.buffers]
+        held = sum(b.nbytes for s in stores for b in s.values())
+        held += sum(a.nbytes for codec in (r.k_codec, r.v_codec) for a in codec.fitted_arrays().values())
         assert c.nbytes == held
         saved = sum(v.nbytes for v in c.state.values() if isinstance(v, mx.array))
         assert c.live_nbytes == saved
@@ -326,13 +327,14 @@ def stored_layout_bytes(c, B=2, H=2, d=16, n_out=4, k_bits=3, v_bits=2, outlier_
 
     Exact tokens (sink, the recent window and the trim headroom): float32 K and V. Coded tokens: keys as
     12 inlier channels at k_bits + 4 outlier channels at outlier_bits, values as 16 channels at v_bits.
-    Fitted per head: bfloat16 channel means of K and V, uint8 outlier channel indices.
+    Fitted per sequence and head (each sequence fits on its own tokens, as alone): bfloat16 channel means of K and
+    V, uint8 outlier channel indices.
     """
     n = c.size()
     exact = min(n, c.sink + c.recent + c.trim_headroom)  # every older token is coded
     coded = n - exact
     per_coded = packed_bytes(d - n_out, k_bits) + packed_bytes(n_out, outlier_bits) + packed_bytes(d, v_bits)
-    fitted = H * (2 * d * 2 + n_out) if n > c.sink + c.recent else 0  # fitted once the window overflows
+    fitted = B * H * (2 * d * 2 + n_out) if n > c.sink + c.recent else 0  # fitted once the window overflows
     return B * H * (exact * 2 * d * 4 + coded * per_coded) + fitted
 
 

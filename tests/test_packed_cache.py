@@ -54,7 +54,7 @@ def test_fetch_shapes_dtype_and_growth(dtype):
     assert keys.shape == (1, 2, 306, D) and values.shape == (1, 2, 306, D)
     assert keys.dtype == dtype and values.dtype == dtype
     assert cache.offset == cache.size() == 306 and not cache.empty()
-    assert cache.v_codes.capacity == 512  # grown in whole steps of 256
+    assert cache.rows.v_codes.capacity == 512  # grown in whole steps of 256
 
 
 @pytest.mark.parametrize("b", [2, 3, 4, 8])
@@ -114,7 +114,7 @@ def test_sink_and_recent_tokens_are_exact():
     assert mx.array_equal(values[:, :, exact], v_all[:, :, exact])
     assert not mx.allclose(keys[:, :, coded], k_all[:, :, coded], atol=1e-3)
     # The tail also holds trim_headroom (8) older tokens, which read as coded ones.
-    assert (cache.sink_store.length, cache.n_coded, cache.tail.length) == (3, n - 3 - 12, 12)
+    assert (cache.rows.sink_n[0], cache.n_coded, cache.rows.tail_n[0]) == (3, n - 3 - 12, 12)
 
 
 @settings(max_examples=15, deadline=None)
@@ -196,10 +196,10 @@ def test_trim_walks_back_through_tail_codes_and_sink():
     cache = TurboQuantPackedCache(cfg(), sink=2, recent=3, trim_headroom=0)
     cache.update_and_fetch(*kv(T=10))
     assert cache.trim(4) == 4 and cache.offset == 6
-    assert (cache.sink_store.length, cache.n_coded, cache.tail.length) == (2, 4, 0)
+    assert (cache.rows.sink_n[0], cache.n_coded, cache.rows.tail_n[0]) == (2, 4, 0)
     assert cache.trim(100) == 6 and cache.offset == 0 and cache.empty()
     keys, _ = cache.update_and_fetch(*kv(T=3))
-    assert keys.shape[2] == 3 and cache.sink_store.length == 2
+    assert keys.shape[2] == 3 and cache.rows.sink_n[0] == 2
 
 
 @pytest.mark.parametrize("n", [1, 3, 5])
@@ -304,9 +304,9 @@ def test_block_codec_codes_whole_blocks_and_reads_the_rest_exactly():
     k, v = kv(T=100, d=DB, offset=0.5)
     keys, values = cache.update_and_fetch(k, v)
     # 99 non-sink tokens: 3 blocks of 32 coded once 2 (headroom) newer ones exist; 3 stay exact.
-    assert (cache.sink_store.length, cache.n_coded, cache.tail.length) == (1, 96, 3)
-    assert cache.k_codes.view()["w_q"].shape == (1, 2, DB, 96 * 4 // 32)
-    assert cache.k_codes.view()["scales"].shape == (1, 2, DB, 3)
+    assert (cache.rows.sink_n[0], cache.n_coded, cache.rows.tail_n[0]) == (1, 96, 3)
+    assert cache.rows.k_codes.arrays["w_q"].shape == (1, 2, DB, 96 * 4 // 32)
+    assert cache.rows.k_codes.arrays["scales"].shape == (1, 2, DB, 3)
     exact = [0, 97, 98, 99]
     assert mx.array_equal(keys[:, :, exact], k[:, :, exact]) and mx.array_equal(values[:, :, exact], v[:, :, exact])
     # 4-bit codes: measured 0.071 (keys) / 0.081 (values); 3 bits give 0.151 / 0.169, 5 bits 0.035 / 0.038.
@@ -333,8 +333,8 @@ def test_block_codec_trim_into_the_codes_keeps_every_surviving_token(n):
     keys, values = cache.update_and_fetch(*kv(T=110, d=DB))
     assert cache.trim(n) == min(n, 110)
     left = 110 - min(n, 110)
-    assert cache.offset == left == cache.sink_store.length + cache.n_coded + cache.tail.length
-    assert cache.n_coded % 32 == 0 and cache.n_coded == cache.k_codes.length == cache.k_codec.n_tokens(cache.k_codes.view())
+    assert cache.offset == left == cache.rows.sink_n[0] + cache.n_coded + cache.rows.tail_n[0]
+    assert cache.n_coded % 32 == 0 and cache.n_coded == cache.rows.k_codes.capacity == cache.k_codec.n_tokens(cache.rows.k_codes.arrays)
     if left:
         k2, v2 = cache._fetch(mx.float32)
         # Survivors of a cut block come back as their decoded values: the history reads as before.
@@ -353,7 +353,9 @@ def test_block_codec_state_round_trip_and_rotating_refusal():
         assert mx.array_equal(a[0], x[0]) and mx.array_equal(a[1], x[1])
     # Value codes grow a whole block at a time, so attention reads whole arrays (no slices): also after a restore.
     for x in (cache, restored, twin):
-        assert x.n_coded == x.v_codes.capacity == 96
-        assert all(x.v_codes.view()[n] is a for n, a in x.v_codes.buffers.items())
+        assert x.n_coded == x.rows.v_codes.capacity == 96
+        whole = x.rows.v_codes.folded(96)  # (two sequences folded into the heads: a reshape of each whole array)
+        assert all(whole[n].shape == (1, 2 * a.shape[1]) + a.shape[2:] and whole[n].size == a.size
+                   for n, a in x.rows.v_codes.arrays.items())
     with pytest.raises(ValueError, match="affine_block"):
         TurboQuantRotatingPackedCache(cfg(), max_size=64, codec="affine_block")

@@ -21,7 +21,7 @@ from mlx.utils import tree_map_with_path
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models import gemma3_text, llama
 
-from veloxquant_mlx.attention import use_packed_attention
+from veloxquant_mlx import use_packed_attention
 from veloxquant_mlx.codecs import AffineRotatedCodec, LloydMaxCodec
 from veloxquant_mlx.cache.builder import attention_is_routable, make_prompt_cache
 from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache, TurboQuantRotatingPackedCache
@@ -188,9 +188,9 @@ def test_affine_caches_hold_affine_codecs_and_count_every_byte(llama_model):
         assert c.nbytes >= c.live_nbytes
         # The stored layout, counted by hand: exact sink and tail tokens in the model dtype; per coded token and
         # head 4-bit codes + a float16 scale and bias per group, for K and for V; the fitted float32 means.
-        B, H = c.v_codes.view()["w_q"].shape[:2]
+        B, H = c.rows.v_codes.arrays["w_q"].shape[:2]
         d, gs = c.dims[0], c.k_codec.group_size
-        exact = (c.sink_store.length + c.tail.length) * 2 * d * 4
+        exact = (c.rows.sink_n[0] + c.rows.tail_n[0]) * 2 * d * 4
         coded = c.n_coded * 2 * (d * 4 // 8 + 2 * 2 * (d // gs))
         stored = B * H * (exact + coded) + 2 * H * d * 4
         assert c.live_nbytes == stored

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from mlx_lm.models import cache as mlx_cache
 
 import veloxquant_mlx as vq
-from veloxquant_mlx.attention.hook import use_packed_attention
+from veloxquant_mlx import use_packed_attention
 from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache, TurboQuantRotatingPackedCache
 from veloxquant_mlx.cache.turboquant_rvq_cache import TurboQuantRVQKVCache
 from veloxquant_mlx.codecs import codec_layout
@@ -34,7 +34,7 @@ from veloxquant_mlx.options import CacheOptions
 from veloxquant_mlx.eval.specs import CONFIGURATIONS as REGISTERED
 
 H, D = 2, 64
-# every registered configuration, plus exact recent windows (no registered one keeps them; batches refuse them)
+# every registered configuration, plus exact recent windows (no registered one keeps them)
 CONFIGURATIONS = {**REGISTERED,
                   "recent-affine": CacheOptions(k_bits=4, v_bits=4, sink=4, recent=6, codec="affine"),
                   "recent-lloyd": CacheOptions(k_bits=3, v_bits=3, sink=2, recent=5, n_outlier_channels=4)}
@@ -141,11 +141,8 @@ def _check_batch(kind: str, name: str, n: int, sizes, seed: int) -> None:
 
 
 CHECKS = {"single": _check_single, "batch": _check_batch}
-# Batches refuse exact recent windows, and sliding windows whose sink differs from keep (clear errors at merge; the
-# budget configurations keep no sink): those pairs are never batched, so there is nothing of theirs to save.
-CASES = [(check, kind, name) for check in CHECKS for kind in KINDS for name in CONFIGURATIONS
-         if not (check == "batch" and (CONFIGURATIONS[name].recent
-                                       or (kind == "rotating" and CONFIGURATIONS[name].sink != KEEP)))]
+# Every configuration and cache kind batches (exact recent windows, sliding windows whose sink differs from keep).
+CASES = [(check, kind, name) for check in CHECKS for kind in KINDS for name in CONFIGURATIONS]
 
 
 @pytest.mark.parametrize("check,kind,name", CASES)

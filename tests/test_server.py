@@ -28,6 +28,7 @@ import veloxquant_mlx as vq
 from veloxquant_mlx.cache.batch_packed_cache import TurboQuantBatchPackedCache
 from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache
 from veloxquant_mlx.eval.specs import method_names, resolve_spec
+from veloxquant_mlx.options import DEFAULT_NAME
 
 openai = pytest.importorskip("openai", reason="the `test` extra's openai client talks to the server as users do")
 
@@ -105,7 +106,7 @@ def _library_generate(model, tokenizer, prompt, cache):
 def test_arguments_take_registered_methods_and_mlx_lm_defaults():
     args = _parse()
     assert (args.model, args.method, args.host, args.port, args.max_tokens) == (
-        "smollm2", "tq-mse-k4v4", "127.0.0.1", 8080, 512)
+        "smollm2", DEFAULT_NAME, "127.0.0.1", 8080, 512)  # the one default (tests/test_one_default.py)
     assert (args.temp, args.top_p, args.top_k, args.prompt_cache_size, args.allowed_origins) == (0.0, 1.0, 0, 10, ["*"])
     for name in method_names():  # every registered name is offered; families need --bits
         assert _parse("--method", name).method == name

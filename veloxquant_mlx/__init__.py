@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 
-__version__ = "0.1.0"
+from veloxquant_mlx._version import __version__
 
 # public name -> module that defines it
 _EXPORTS = {
@@ -18,26 +18,24 @@ _EXPORTS = {
     "TurboQuantProd": "veloxquant_mlx.quantizers.turboquant_prod",
     "TurboQuantRVQ": "veloxquant_mlx.quantizers.turboquant_rvq",
     "OutlierDetector": "veloxquant_mlx.outlier.detector",
-    "TurboQuantKVCache": "veloxquant_mlx.cache.turboquant_cache",
-    "TurboQuantRVQKVCache": "veloxquant_mlx.cache.turboquant_rvq_cache",
+    "TurboQuantKVCache": "veloxquant_mlx.compat.turboquant_cache",
+    "TurboQuantRVQKVCache": "veloxquant_mlx.compat.turboquant_rvq_cache",
     "STANDALONE_METHODS": "veloxquant_mlx.cache.base",
     "QUANTIZERS": "veloxquant_mlx.quantizers",
     "TurboQuantPackedCache": "veloxquant_mlx.cache.packed_cache",
     "TurboQuantRotatingPackedCache": "veloxquant_mlx.cache.packed_cache",
-    "KVCacheBuilder": "veloxquant_mlx.cache.builder",
+    "KVCacheBuilder": "veloxquant_mlx.integration",
     "CacheOptions": "veloxquant_mlx.options",
     "CODECS": "veloxquant_mlx.codecs",
-    "make_prompt_cache": "veloxquant_mlx.cache.builder",
+    "make_prompt_cache": "veloxquant_mlx.integration",
     "save_prompt_cache": "veloxquant_mlx.cache.prompt_cache_io",
     "load_prompt_cache": "veloxquant_mlx.cache.prompt_cache_io",
-    "mlx_lm_cache_classes": "veloxquant_mlx.cache.prompt_cache_io",
-    "use_packed_attention": "veloxquant_mlx.attention.hook",
+    "mlx_lm_cache_classes": "veloxquant_mlx.integration",
+    "use_packed_attention": "veloxquant_mlx.integration",
     "enable": "veloxquant_mlx.integration",
     "disable": "veloxquant_mlx.integration",
     "is_enabled": "veloxquant_mlx.integration",
-    "load_model": "veloxquant_mlx.models.loader",
-    "CacheSpec": "veloxquant_mlx.eval.specs",
-    "registered_specs": "veloxquant_mlx.eval.specs",
+    "enabled_options": "veloxquant_mlx.integration",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

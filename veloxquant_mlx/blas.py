@@ -6,6 +6,7 @@ re-executes the current command with ``LD_PRELOAD`` set; call it before ``import
 """
 from __future__ import annotations
 
+import ctypes
 import glob
 import os
 import platform
@@ -69,8 +70,6 @@ def load_openblas_global() -> bool:
     lib = openblas_path()
     if lib is None:
         return False
-    import ctypes
-
     try:
         ctypes.CDLL(lib, mode=os.RTLD_GLOBAL)
     except OSError:

@@ -1,18 +1,28 @@
-"""``veloxquant``: demo, generate, eval (ppl | needle | speed), methods, plan.
+"""``veloxquant``: demo, generate, eval (ppl | needle | speed), methods, plan, serve.
+
+Every compressed default is `veloxquant_mlx.options.DEFAULT_NAME` (``generate``, ``serve``; ``methods`` marks it).
 
 MLX is imported lazily inside the commands: when run as a program, :func:`main` first re-executes
 itself with Debian's OpenBLAS preloaded (see :mod:`veloxquant_mlx.blas`), which must happen
-before MLX maps its BLAS.
+before MLX maps its BLAS. So the imports left inside functions here are of the modules that load MLX / mlx_lm
+(nearly all of this package: `veloxquant_mlx.validate` imports ``mlx.core``); at module level they would be loaded
+once in the process that is then replaced (about 2 s more per command on a 2-core CPU), and once again after.
+Optional extras (matplotlib) stay inside the functions that need them.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import sys
 import time
 from typing import List, Optional
+
+from tqdm.auto import tqdm
+
+from .blas import ensure_openblas, loaded_blas  # no MLX: must load before it
 
 DEMO_PROMPT = "What is the capital of France?"
 MAX_BITS = 16
@@ -81,6 +91,8 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from .eval.corpus import CORPORA, DEFAULT_CORPUS
+    from .options import DEFAULT_NAME
+    from .server import add_serve_arguments
 
     p = _Parser(prog="veloxquant", description="TurboQuant KV-cache compression for MLX: demo and evaluation")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -108,7 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     model_opt(g)
     g.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for several (generated batched)")
     g.add_argument("--prompts-file", help="a text file with one prompt per line (added to any --prompt)")
-    g.add_argument("--method", default="kv", help="kv/fp16, mlx-q8/q4/q2, a family with --bits, ... (see `methods`)")
+    g.add_argument("--method", default=DEFAULT_NAME,
+                   help=f"the KV cache: default {DEFAULT_NAME} (the default of `enable(model)` and `serve` too); "
+                        "kv/fp16 for mlx_lm's plain cache, mlx-q8/q4/q2, any name of `veloxquant methods`, a family "
+                        "with --bits")
     g.add_argument("--bits", type=_bits, default=None)
     g.add_argument("--max-tokens", type=_positive_int, default=128)
     g.add_argument("--raw", action="store_true", help="no chat template: continue the prompt text")
@@ -138,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
         if q is not ep:
             q.set_defaults(plot=None)
 
-    m = sub.add_parser("methods", help="registered methods with measured bytes per token per layer")
+    m = sub.add_parser("methods", help="registered methods with measured bytes per token per layer (marks the default)")
     m.add_argument("--head-dim", type=_positive_int, default=64)
     m.add_argument("--kv-heads", type=_positive_int, default=1)
 
@@ -147,8 +162,6 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--kv-heads", type=_positive_int, required=True)
     pl.add_argument("--head-dim", type=_positive_int, required=True)
     pl.add_argument("--ram-gb", type=_positive_float, required=True, help="memory for the KV cache, GiB")
-    from .server import add_serve_arguments
-
     sv = sub.add_parser("serve", help="OpenAI-compatible server (mlx_lm.server) with compressed KV caches")
     add_serve_arguments(sv)
     return p
@@ -160,7 +173,6 @@ def _say(msg: str) -> None:
 
 
 def _load(args):
-    from .blas import loaded_blas
     from .models import load_model
 
     t0 = time.perf_counter()
@@ -284,8 +296,6 @@ def cmd_demo(args) -> int:
     ids = _chat_ids(tok, args.prompt)
     eos = getattr(tok, "eos_token_ids", None) or []
     results = {"prompt": args.prompt, "context": args.context, "methods": {}}
-    from tqdm.auto import tqdm
-
     for s in tqdm(specs, desc="answers", disable=args.no_progress, leave=False):
         cache = s.make_cache(model)
         logits = prefill(model, ids, cache)
@@ -457,16 +467,22 @@ def _measured(head_dim: int, kv_heads: int):
     return [(s, measure_bytes_per_token(s.make_cache, kv_heads, head_dim)) for s in registered_specs(head_dim)]
 
 
+DEFAULT_MARK = "(default) "
+
+
 def cmd_methods(args) -> int:
     from .eval.memory import DEFAULT_CONTEXT
+    from .options import DEFAULT_NAME
 
     rows = [[s.name, s.family, "-" if s.bits is None else f"{s.bits:g}", f"{m['bytes_per_token_per_layer']:.1f}",
-             f"{m['bits_per_coordinate']:.3f}", s.description]
+             f"{m['bits_per_coordinate']:.3f}", (DEFAULT_MARK if s.name == DEFAULT_NAME else "") + s.description]
             for s, m in _measured(args.head_dim, args.kv_heads)]
     print(f"measured with head_dim={args.head_dim}, kv_heads={args.kv_heads}: every stored byte of one layer holding "
           f"{DEFAULT_CONTEXT} random tokens (the benchmarks' measurement)")
     print(_table(["method", "family", "bits", f"bytes/token/layer @{DEFAULT_CONTEXT}", f"bits/coord @{DEFAULT_CONTEXT}",
                   "description"], rows))
+    print(f"default: {DEFAULT_NAME} (`generate`, `serve`, `enable(model)` and `make_prompt_cache(model)` without "
+          "options); kv is mlx_lm's plain cache")
     return 0
 
 
@@ -497,18 +513,15 @@ COMMANDS = {"demo": cmd_demo, "generate": cmd_generate, "eval": cmd_eval, "metho
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point. ``argv=None`` means a real process: re-exec with OpenBLAS first if useful."""
     if argv is None:
-        from .blas import ensure_openblas
-
         ensure_openblas()
         argv = sys.argv[1:]
     from .eval.corpus import CorpusMissing
+    from .integration import use_packed_attention
     from .models import ModelPackageMissing
 
     try:
         args = build_parser().parse_args(argv)
         if args.command in ATTENTION_ON_CODES:
-            from .attention import use_packed_attention
-
             # Our caches attend straight from their codes (same results up to float32 rounding, faster);
             # other caches are untouched. Undone when the command returns.
             with use_packed_attention():
@@ -533,8 +546,6 @@ def exit_process(code: int) -> None:
     ("terminate called without an active exception") about one run in three; everything is closed by then, so
     the process ends without running those destructors.
     """
-    import logging
-
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

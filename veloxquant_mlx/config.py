@@ -6,25 +6,28 @@ import warnings
 from dataclasses import InitVar, dataclass
 from typing import Any, Optional
 
-import numpy as np
+from .quantizers import QUANTIZERS
+from .rotation import ROTATION_KINDS as ROTATIONS
+from .rotation import hadamard_supported
+from .validate import check_bool, check_choice, check_int, check_outlier_channels
 
-from .validate import check_int
-
-ROTATIONS = ("haar", "hadamard")
 # Options of the seed implementation that are no-ops here (everything is always vectorized).
 DEPRECATED_OPTIONS = ("enable_vectorized_attend", "enable_fused_query_dot", "store")
-
-
-def _method_names() -> tuple:
-    # imported lazily: the quantizers pull in MLX, the config itself should not need to
-    from .quantizers import QUANTIZERS
-
-    return tuple(QUANTIZERS)
+# Outlier channels of the seed's standalone cache are int8 columns; the others are quantized over the whole head:
+# one channel on either side is enough (`check_outlier_channels`; the packed caches' `CacheOptions` need 2).
+OUTLIER_MIN_GROUP = 1
 
 
 def _int_field(obj, name: str, lo: Optional[int] = None, hi: Optional[int] = None, optional: bool = False):
     v = check_int(f"KVCacheConfig.{name}", getattr(obj, name), lo, hi, optional=optional)
     object.__setattr__(obj, name, v)  # numpy ints become plain ints (JSON-safe)
+
+
+def _choice_field(obj, name: str, choices) -> None:
+    value = getattr(obj, name)
+    if not isinstance(value, str):
+        raise TypeError(f"KVCacheConfig.{name} must be a str, got {type(value).__name__}")
+    check_choice(f"KVCacheConfig.{name}", value, choices)
 
 
 @dataclass
@@ -42,7 +45,8 @@ class KVCacheConfig:
         seed: rotation / sketch seed (int >= 0).
         rotation: "haar" or "hadamard".
         capacity: ring-buffer size of the standalone cache (> 0); None = unbounded.
-        n_outlier_channels: channels kept apart as outliers (>= 0, < head_dim when both are set).
+        n_outlier_channels: channels kept apart as outliers: 0, or 1..head_dim-1 when head_dim is set (the rule
+            of `veloxquant_mlx.validate.check_outlier_channels`; the packed caches need 2..head_dim-2).
         outlier_bits: bits of the outlier stream, 1..8.
         n_calib_tokens: tokens used to calibrate outlier channels (> 0).
         enable_outlier_two_stream: keep outlier channels in a separate stream.
@@ -74,37 +78,24 @@ class KVCacheConfig:
             if value is not None:
                 warnings.warn(f"KVCacheConfig({name}=...) is deprecated and ignored: attention is always "
                               "vectorized", DeprecationWarning, stacklevel=3)
-        methods = _method_names()
-        if not isinstance(self.method, str):
-            raise TypeError(f"KVCacheConfig.method must be a str, got {type(self.method).__name__}")
-        if self.method not in methods:
-            raise ValueError(f"KVCacheConfig.method must be one of {methods}, got {self.method!r}")
-        if not isinstance(self.rotation, str):
-            raise TypeError(f"KVCacheConfig.rotation must be a str, got {type(self.rotation).__name__}")
-        if self.rotation not in ROTATIONS:
-            raise ValueError(f"KVCacheConfig.rotation must be one of {ROTATIONS}, got {self.rotation!r}")
+        _choice_field(self, "method", tuple(QUANTIZERS))
+        _choice_field(self, "rotation", ROTATIONS)
         _int_field(self, "head_dim", lo=1, optional=True)
         _int_field(self, "bit_width_inlier", 1, 8)
         _int_field(self, "v_bits", 1, 8, optional=True)
         _int_field(self, "jl_dim", lo=1, optional=True)
         _int_field(self, "seed", lo=0)
         _int_field(self, "capacity", lo=1, optional=True)
-        _int_field(self, "n_outlier_channels", lo=0)
         _int_field(self, "outlier_bits", 1, 8)
         _int_field(self, "n_calib_tokens", lo=1)
-        if not isinstance(self.enable_outlier_two_stream, (bool, np.bool_)):
-            raise TypeError("KVCacheConfig.enable_outlier_two_stream must be a bool, got "
-                            f"{type(self.enable_outlier_two_stream).__name__} ({self.enable_outlier_two_stream!r})")
-        self.enable_outlier_two_stream = bool(self.enable_outlier_two_stream)
+        self.n_outlier_channels = check_outlier_channels("KVCacheConfig.n_outlier_channels", self.n_outlier_channels,
+                                                         self.head_dim, min_group=OUTLIER_MIN_GROUP)
+        self.enable_outlier_two_stream = check_bool("KVCacheConfig.enable_outlier_two_stream",
+                                                    self.enable_outlier_two_stream)
         if self.head_dim is not None:
-            if self.n_outlier_channels >= self.head_dim:
-                raise ValueError(f"KVCacheConfig.n_outlier_channels must be < head_dim={self.head_dim}, "
-                                 f"got {self.n_outlier_channels}")
             if self.method in ("turboquant_mse", "turboquant_prod", "turboquant_rvq") and self.head_dim < 2:
                 raise ValueError(f"KVCacheConfig.head_dim must be >= 2 for {self.method!r}, got {self.head_dim}")
             if self.rotation == "hadamard":
-                from .rotation import hadamard_supported
-
                 inlier = self.head_dim - self.n_outlier_channels
                 if not hadamard_supported(self.head_dim) and not hadamard_supported(inlier):
                     raise ValueError(

@@ -13,12 +13,10 @@ from typing import Optional
 
 import mlx.core as mx
 
+from veloxquant_mlx.eval.memory import measure_bytes_per_token
+from veloxquant_mlx.model_shape import attention_heads, local_kv_heads, model_kv_shape
 
-def _attention_heads(model):
-    args = getattr(model, "args", None)
-    heads = getattr(args, "num_attention_heads", None)
-    kv = getattr(args, "num_key_value_heads", None) or heads
-    return heads, kv
+__all__ = ["local_kv_heads", "rank_summary", "shard"]
 
 
 def shard(model, group: Optional[mx.distributed.Group] = None, *, pipeline: bool = False):
@@ -45,7 +43,7 @@ def shard(model, group: Optional[mx.distributed.Group] = None, *, pipeline: bool
     if not callable(getattr(model, "shard", None)):
         raise ValueError(f"model type {getattr(model, 'model_type', type(model).__name__)!r} has no tensor "
                          "parallelism in mlx_lm (no model.shard); try --pipeline")
-    heads, kv = _attention_heads(model)
+    heads, kv = attention_heads(model)
     if heads is None or heads % n or kv % n:
         raise ValueError(f"tensor parallelism over {n} ranks splits attention heads across ranks: the model has "
                          f"{heads} query and {kv} KV heads, which must both divide by {n}; launch a number of ranks "
@@ -57,22 +55,11 @@ def shard(model, group: Optional[mx.distributed.Group] = None, *, pipeline: bool
     return model
 
 
-def local_kv_heads(model) -> int:
-    """KV heads this rank's layers hold (after `shard`)."""
-    for layer in getattr(model, "layers", []):
-        attn = getattr(layer, "self_attn", None)
-        if attn is not None and getattr(attn, "n_kv_heads", None):
-            return int(attn.n_kv_heads)
-    return int(_attention_heads(model)[1])
-
-
 def rank_summary(model, make_cache, group: Optional[mx.distributed.Group] = None) -> str:
     """``rank r/N: <what it holds>, KV bytes per token <measured>`` for this rank's share of ``model``.
 
     ``make_cache(model) -> list`` builds this rank's caches (the bytes are measured by filling one layer's cache).
     """
-    from veloxquant_mlx.eval.memory import measure_bytes_per_token, model_kv_shape
-
     group = group or mx.distributed.init()
     n_layers = len(model.layers)
     head_dim = model_kv_shape(model)[2]
@@ -81,7 +68,7 @@ def rank_summary(model, make_cache, group: Optional[mx.distributed.Group] = None
     if getattr(inner, "pipeline_size", 1) > 1:
         what = f"pipeline parallel, layers {inner.start_idx}..{inner.end_idx - 1} ({n_layers}), {heads} KV heads"
     elif group.size() > 1:
-        what = f"tensor parallel, {heads} of {_attention_heads(model)[1]} KV heads, {n_layers} layers"
+        what = f"tensor parallel, {heads} of {attention_heads(model)[1]} KV heads, {n_layers} layers"
     else:
         what = f"{heads} KV heads, {n_layers} layers"
     per_layer = measure_bytes_per_token(make_cache, heads, head_dim, model=model)["bytes_per_token_per_layer"]

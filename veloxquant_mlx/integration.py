@@ -1,55 +1,438 @@
-"""`enable(model)` / `disable(model)`: one line makes every mlx_lm path use compressed caches attending from codes.
+"""Everything that touches mlx_lm's behaviour, in one module: compressed caches for a model, attention routed to
+their codes, their classes visible to mlx_lm's loader. Nothing is patched at import time.
 
-mlx_lm makes its caches with ``make_prompt_cache(model)``, which returns ``model.make_cache()`` when the model has
-one: `generate`, `stream_generate`, `batch_generate`, `BatchGenerator`, `mlx_lm.server` and `cache_prompt` all do.
-`enable` gives the model object (not its class) a ``make_cache`` that builds our caches, and while any model is
-enabled it keeps two explicit, reversible changes to mlx_lm in place:
+Building caches (`KVCacheBuilder`, `make_prompt_cache`)::
 
-- attention routing (:mod:`veloxquant_mlx.attention.hook`): mlx_lm's ``scaled_dot_product_attention`` sends a
-  cache that offers ``attend_packed`` to it and every other cache to the original function, unchanged;
-- our cache classes visible by name in ``mlx_lm.models.cache``, so mlx_lm's own ``load_prompt_cache`` reads files
-  holding them.
+    import veloxquant_mlx as vq
+    cache = vq.make_prompt_cache(model, method="turboquant_mse", k_bits=4, v_bits=3)
+    mlx_lm.generate(model, tokenizer, prompt, prompt_cache=cache)
 
-`disable` removes the model's ``make_cache`` (restoring one the instance had before) and, with the last enabled
-model, both changes. Enabling twice is a no-op apart from the new options; a model never enabled is untouched.
+The model's own cache layout decides what is replaced (``model.make_cache()`` when it has one, else one `KVCache`
+per layer, or `RotatingKVCache(max_kv_size, keep=4)` as mlx_lm does): every `KVCache` becomes a
+`TurboQuantPackedCache`, every `RotatingKVCache` a `TurboQuantRotatingPackedCache` with the same ``max_size`` /
+``keep``, and anything else (SSM / `ArraysCache`, `ChunkedKVCache`, ...) is left to the model. `CacheList` entries
+are converted inside.
+
+Attention routing (`install` / `uninstall` / `use_packed_attention` / `hold_while_alive`): mlx_lm model files do
+``from .base import scaled_dot_product_attention`` and call it with the layer's cache. `install()` replaces that
+function (in ``mlx_lm.models.base`` and in every already-imported ``mlx_lm.*`` module holding it under any name) by
+`packed_scaled_dot_product_attention`, which calls ``cache.attend_packed(queries, scale, mask[, sinks=...])`` when
+the cache implements the protocol (:mod:`veloxquant_mlx.attention`) and the original function, unchanged,
+otherwise. Modules imported while the routing is on pick the replacement up from ``base``; `uninstall()` restores
+every attribute that still holds the replacement to exactly the original object. Nesting is counted (only the
+outermost exit restores) and a lock guards the count, so ``with use_packed_attention():`` blocks may nest and raise
+freely. While the count is positive :func:`veloxquant_mlx.attention.hook.is_active` is True, which is what lets the
+caches return placeholders instead of decoding their history.
+
+`hold_while_alive(obj)` is one more count that ends when ``obj`` is garbage collected: what `make_prompt_cache`
+does for the caches it builds (``route_attention=True``, for models whose attention the routing reaches:
+`attention_is_routable`), so they attend from their codes without a context manager, and the last of them to be
+collected restores mlx_lm's function. Its release runs in a weakref finalizer, which may fire inside any
+allocation, so it never waits for the lock: when the lock is taken it leaves the release to the thread holding it.
+
+`enable(model)` / `disable(model)`: mlx_lm makes its caches with ``make_prompt_cache(model)``, which returns
+``model.make_cache()`` when the model has one (`generate`, `stream_generate`, `batch_generate`, `BatchGenerator`,
+``mlx_lm.server`` and ``cache_prompt`` all do). `enable` gives the model object (not its class) a ``make_cache``
+that builds our caches, and while any model is enabled it keeps the attention routing installed and our cache
+classes visible by name in ``mlx_lm.models.cache`` (`mlx_lm_cache_classes`: mlx_lm's own ``load_prompt_cache``
+then reads files holding them). `disable` removes the model's ``make_cache`` (restoring one the instance had
+before) and, with the last enabled model, both changes. Enabling twice is a no-op apart from the new options; a
+model never enabled is untouched.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
+import dis
+import functools
+import inspect
+import sys
 import threading
 import weakref
-from typing import Any, Dict
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from mlx_lm.models import base as mlx_base
+from mlx_lm.models import cache as mlx_cache
 
 from veloxquant_mlx.attention import hook
+from veloxquant_mlx.codecs import codec_layout
+from veloxquant_mlx.model_shape import head_dim as model_head_dim
+from veloxquant_mlx.options import resolve_options
+from veloxquant_mlx.validate import check_bool, check_int
 
-# The configuration `enable(model)` uses without options: the best measured one so far (BENCHMARKS.md: 8-bit
-# keys, 4-bit values, keys per channel over 64-token blocks, 4 exact sink tokens).
-DEFAULT_CONFIGURATION = "tq-affine-k8v4"
+# The cache classes this module builds, converts and registers with mlx_lm (the only imports of cache classes here).
+from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache, TurboQuantRotatingPackedCache
+from veloxquant_mlx.cache.batch_packed_cache import TurboQuantBatchPackedCache, TurboQuantBatchRotatingPackedCache
+from veloxquant_mlx.compat.turboquant_rvq_cache import TurboQuantRVQKVCache
+
+CACHE_CLASSES = (TurboQuantPackedCache, TurboQuantRotatingPackedCache, TurboQuantRVQKVCache, TurboQuantBatchPackedCache,
+                 TurboQuantBatchRotatingPackedCache)
+
+__all__ = [
+    "CACHE_CLASSES", "KVCacheBuilder", "attention_is_routable", "disable", "enable", "enabled_options",
+    "hold_while_alive", "install", "is_enabled", "make_prompt_cache", "mlx_lm_cache_classes",
+    "packed_scaled_dot_product_attention", "routes_model", "uninstall", "use_packed_attention",
+]
+
+
+# -- attention routing --------------------------------------------------------------------------------------------
+
+_NAME = "scaled_dot_product_attention"
+_lock = threading.Lock()  # not re-entrant: a finalizer on the holding thread must not get in (see `_drain`)
+_depth = 0
+_pending = collections.deque()  # releases of collected holders not yet applied (deque.append is atomic)
+_original: Optional[Callable] = None  # mlx_lm.models.base's function when the routing went in
+_signature: Optional[inspect.Signature] = None
+_patched: List[Tuple[object, str]] = []  # (module, attribute) we set to the replacement
+_TRAILING = ("scale", "mask", "sinks")  # mlx_lm's parameters after ``cache``, in order
+
+
+def _fast_arguments(args, kwargs):
+    """``{scale, mask, sinks}`` of the call mlx_lm models make, without ``inspect`` (~30 us per layer).
+
+    None when the call does not have exactly that shape; the caller then binds the full signature.
+    """
+    if len(args) > 3:
+        return None
+    a = dict(zip(_TRAILING, args))
+    for name, value in kwargs.items():
+        if name not in _TRAILING or name in a:
+            return None
+        a[name] = value
+    if "scale" not in a or "mask" not in a:
+        return None
+    a.setdefault("sinks", None)
+    return a
+
+
+def packed_scaled_dot_product_attention(queries, keys, values, cache, *args, **kwargs):
+    """Drop-in for ``mlx_lm.models.base.scaled_dot_product_attention`` (same signature).
+
+    Protocol caches (while the routing is on) -> ``cache.attend_packed``; anything else -> the original.
+    """
+    original = _original
+    if original is None:  # never installed: behave like mlx_lm itself
+        original = getattr(mlx_base, _NAME)
+        if original is packed_scaled_dot_product_attention:
+            raise RuntimeError("packed attention routing state lost: base holds the replacement but no original")
+    if hook.is_active() and hook.implements_protocol(cache):
+        a = _fast_arguments(args, kwargs)
+        if a is None:  # an unusual call: let the signature sort it out (and raise its usual errors)
+            bound = _signature.bind(queries, keys, values, cache, *args, **kwargs)
+            bound.apply_defaults()
+            a = bound.arguments
+        sinks = a.get("sinks")
+        if sinks is None:
+            return cache.attend_packed(queries, a["scale"], a["mask"])
+        return cache.attend_packed(queries, a["scale"], a["mask"], sinks=sinks)
+    return original(queries, keys, values, cache, *args, **kwargs)
+
+
+def routes_model(model) -> bool:
+    """Whether the routing currently reaches ``model``'s attention: its class's module holds the replacement.
+
+    A model file that calls ``mx.fast.scaled_dot_product_attention`` itself (a few in mlx_lm 0.32) is not reached;
+    `attention_is_routable` is the static check the builder uses.
+    """
+    mod = sys.modules.get(type(model).__module__)
+    return hook.is_active() and getattr(mod, _NAME, None) is packed_scaled_dot_product_attention
+
+
+def _mlx_lm_modules():
+    return [m for name, m in list(sys.modules.items()) if m is not None and (name == "mlx_lm" or name.startswith("mlx_lm."))]
+
+
+def install() -> None:
+    """Turn the routing on (counted: each call needs one `uninstall`)."""
+    global _depth, _original, _signature
+    with _lock:
+        if _depth == 0:
+            original = getattr(mlx_base, _NAME)
+            if original is packed_scaled_dot_product_attention:
+                raise RuntimeError("mlx_lm.models.base already holds the packed attention replacement")
+            _original, _signature = original, inspect.signature(original)
+            _patched.clear()
+            for mod in _mlx_lm_modules():
+                for attr, value in list(vars(mod).items()):
+                    if value is original:
+                        setattr(mod, attr, packed_scaled_dot_product_attention)
+                        _patched.append((mod, attr))
+            hook.set_active(True)
+        _depth += 1
+    _drain()
+
+
+def uninstall() -> None:
+    """Undo one `install`; the last one restores every patched attribute to the original function."""
+    with _lock:
+        if _depth == 0:
+            raise RuntimeError("uninstall() called without a matching install()")
+        _uninstall_locked()
+    _drain()
+
+
+def _uninstall_locked() -> None:
+    global _depth, _original
+    _depth -= 1
+    if _depth > 0:
+        return
+    hook.set_active(False)
+    original = _original
+    # Modules imported while active hold the replacement too: restore every holder, and leave alone
+    # any attribute someone else has changed since (it no longer holds our function).
+    holders = {(id(m), a): (m, a) for m, a in _patched}
+    for mod in _mlx_lm_modules():
+        for attr, value in list(vars(mod).items()):
+            if value is packed_scaled_dot_product_attention:
+                holders[(id(mod), attr)] = (mod, attr)
+    for mod, attr in holders.values():
+        if getattr(mod, attr, None) is packed_scaled_dot_product_attention:
+            setattr(mod, attr, original)
+    _patched.clear()
+    _original = None
+
+
+def _drain() -> None:
+    """Apply the releases finalizers queued; whoever gets the lock does (never blocks: finalizers call this)."""
+    while _pending and _lock.acquire(blocking=False):
+        try:
+            while _pending:
+                _pending.popleft()
+                if _depth > 0:  # an extra explicit uninstall() may already have taken this count back
+                    _uninstall_locked()
+        finally:
+            _lock.release()
+
+
+def _release() -> None:
+    _pending.append(None)
+    _drain()
+
+
+def hold_while_alive(obj) -> None:
+    """`install` now and the matching `uninstall` when ``obj`` is garbage collected (``obj``: weakly referenceable).
+
+    Explicit and reversible like `use_packed_attention`, scoped to an object's life instead of a block.
+    """
+    weakref.ref(obj)  # TypeError now, before counting, for an object that cannot be weakly referenced
+    install()
+    finalizer = weakref.finalize(obj, _release)
+    finalizer.atexit = False  # nothing to restore in a process that is ending
+
+
+@contextlib.contextmanager
+def use_packed_attention():
+    """``with use_packed_attention(): ...`` — `install` on entry, `uninstall` on exit (also on error)."""
+    install()
+    try:
+        yield
+    finally:
+        uninstall()
+
+
+# -- which models the routing reaches -----------------------------------------------------------------------------
+
+def _code_objects(code):
+    yield code
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            yield from _code_objects(const)
+
+
+@functools.lru_cache(maxsize=None)
+def _calls_fast_sdpa_directly(module_name: str) -> bool:
+    """Whether a model module's code reads ``<x>.fast.scaled_dot_product_attention`` (the routing cannot see it).
+
+    Reads the compiled bytecode of every function in the module (not its source text, where comments and
+    docstrings would count): an attribute load of ``fast`` followed by one of ``scaled_dot_product_attention``.
+    """
+    module = sys.modules.get(module_name)
+    if module is None:
+        return True  # unknown module: assume the worst, caches then decode as usual
+    codes = []
+    for value in vars(module).values():
+        for fn in [value] + (list(vars(value).values()) if inspect.isclass(value) else []):
+            fn = getattr(fn, "__func__", fn)
+            if inspect.isfunction(fn) and fn.__module__ == module_name:
+                codes.extend(_code_objects(fn.__code__))
+    for code in codes:
+        previous = None
+        for ins in dis.get_instructions(code):
+            if ins.opname in ("LOAD_ATTR", "LOAD_METHOD"):
+                if previous == "fast" and ins.argval == _NAME:
+                    return True
+                previous = ins.argval
+            elif ins.opname not in ("CACHE", "EXTENDED_ARG"):
+                previous = None
+    return False
+
+
+def attention_is_routable(model) -> bool:
+    """Whether ``model``'s attention goes through mlx_lm's ``scaled_dot_product_attention`` everywhere.
+
+    Static counterpart of `routes_model` (which needs the routing on): the mlx_lm model files of ``model`` and its
+    submodules must hold that function (original or the replacement) and none may call
+    ``mx.fast.scaled_dot_product_attention`` directly (deepseek_v41, muse_spark, plamo2 in mlx_lm 0.32). Only then
+    may caches return placeholders to it.
+    """
+    targets = (getattr(mlx_base, _NAME, None), packed_scaled_dot_product_attention)
+    names = {type(model).__module__}
+    if callable(getattr(model, "modules", None)):
+        names.update(type(m).__module__ for m in model.modules())
+    names = {n for n in names if n.startswith("mlx_lm.models.") and n not in ("mlx_lm.models.base",)}
+    holders = [n for n in names if getattr(sys.modules.get(n), _NAME, None) in targets]
+    return bool(holders) and not any(_calls_fast_sdpa_directly(n) for n in names)
+
+
+# -- our cache classes in mlx_lm's namespace ----------------------------------------------------------------------
+
+@contextlib.contextmanager
+def mlx_lm_cache_classes():
+    """Make our cache classes (`CACHE_CLASSES`) visible to ``mlx_lm.models.cache`` by name, for the ``with`` block
+    only (mlx_lm's ``load_prompt_cache`` and ``CacheList.from_state`` look classes up there by ``__name__``)."""
+    namespace = vars(mlx_cache)
+    added = []
+    for cls in CACHE_CLASSES:
+        present = namespace.get(cls.__name__)
+        if present is None:
+            namespace[cls.__name__] = cls
+            added.append(cls.__name__)
+        elif present is not cls:
+            raise RuntimeError(
+                f"mlx_lm.models.cache already defines a different {cls.__name__}; refusing to shadow it"
+            )
+    try:
+        yield
+    finally:
+        for name in added:
+            namespace.pop(name, None)
+
+
+# -- building caches ----------------------------------------------------------------------------------------------
+
+def _model_layout(model, max_kv_size: Optional[int]) -> List[Any]:
+    """The caches mlx_lm's ``make_prompt_cache`` gives ``model``, ignoring a ``make_cache`` that `enable` put on
+    the instance (ours: it would call back here) but honouring the class's own.
+
+    ``max_kv_size`` turns every full-attention layer into a window of that size (``keep=4``, as mlx_lm does for
+    models without ``make_cache``; mlx_lm ignores it for models with one, which would drop the user's limit
+    without a word).
+    """
+    own = getattr(type(model), "make_cache", None)
+    base = own(model) if own is not None else [mlx_cache.KVCache() for _ in range(len(model.layers))]
+    if max_kv_size is None:
+        return base
+    return [mlx_cache.RotatingKVCache(max_size=max_kv_size, keep=4) if type(c) is mlx_cache.KVCache else c
+            for c in base]
+
+
+def _attends_from_codes(cache) -> bool:
+    """Whether ``cache`` (or a `CacheList` entry of it) offers ``attend_packed``."""
+    if isinstance(cache, mlx_cache.CacheList):
+        return any(_attends_from_codes(c) for c in cache.caches)
+    return hook.implements_protocol(cache)
+
+
+class KVCacheBuilder:
+    """Makes fresh compressed caches for a model from one `CacheOptions`.
+
+    Args:
+        config / options: as `veloxquant_mlx.options.resolve_options`: a preset name, a `CacheOptions`, the seed
+            pages' `KVCacheConfig` (``bit_width_inlier`` = ``k_bits``) or None; keyword options (any `CacheOptions`
+            field: ``kind``, ``method``, ``codec``, ``k_bits`` / ``v_bits`` (one int, or one per layer), ``sink``,
+            ``recent``, ...) override it. Nothing at all: `veloxquant_mlx.options.DEFAULT`.
+
+    `build` enables placeholder fetches (attention on codes inside ``use_packed_attention()``) only for
+    models whose attention the routing reaches (`attention_is_routable`); other models' caches decode.
+    Sliding-window layers get ``codec="affine"`` where a block layout is asked for (a window evicts single tokens).
+    """
+
+    def __init__(self, config=None, **options: Any):
+        self.options = resolve_options(config, **options)
+
+    @classmethod
+    def for_model(cls, model, config=None, *, max_kv_size: Optional[int] = None, route_attention: bool = True,
+                  **options) -> List[Any]:
+        """Fresh caches for ``model`` (a new list of new caches on every call)."""
+        return cls(config, **options).build(model, max_kv_size=max_kv_size, route_attention=route_attention)
+
+    def build(self, model, max_kv_size: Optional[int] = None, route_attention: bool = True) -> List[Any]:
+        """New caches for ``model``: its own layout, with attention caches replaced by compressed ones.
+
+        ``route_attention``: keep mlx_lm's attention routed to the caches' codes while any of them is alive
+        (`hold_while_alive`); only for models whose attention the routing reaches.
+        """
+        if not hasattr(model, "layers"):
+            raise TypeError(f"model must be an mlx_lm model with .layers, got {type(model).__name__}")
+        check_int("max_kv_size", max_kv_size, 1, optional=True)
+        check_bool("route_attention", route_attention)
+        base = _model_layout(model, max_kv_size)
+        n_layers, head_dim = len(base), model_head_dim(model)
+        per_layer = [self.options.for_layer(i, n_layers, head_dim) for i in range(n_layers)]  # validates first
+        if head_dim is not None:  # a codec that cannot take this head_dim says so now, not at the first update
+            for opts in {o.layer_options() for o in per_layer if o.kind == "packed"}:
+                codec_layout(opts.codec).keys.from_options(opts, "keys", head_dim)
+        placeholders = attention_is_routable(model)
+        caches = [self._convert(c, per_layer[i], placeholders) for i, c in enumerate(base)]
+        if route_attention and placeholders:
+            for cache in caches:
+                if _attends_from_codes(cache):  # one count each, released when collected
+                    hold_while_alive(cache)
+        return caches
+
+    def _convert(self, cache, options, placeholders: bool = True):
+        kind = type(cache)
+        if kind is mlx_cache.KVCache:
+            if options.kind == "rvq":
+                return TurboQuantRVQKVCache(dataclasses.replace(options, method="turboquant_rvq").kv_config())
+            return TurboQuantPackedCache(options, fetch_placeholders=placeholders)
+        if kind is mlx_cache.RotatingKVCache:
+            if options.kind == "rvq":
+                raise ValueError(
+                    "kind='rvq' has no sliding-window variant; this model has RotatingKVCache layers: use kind='packed'")
+            # Only tokens the window keeps forever (its ``keep`` prefix) can be exact sink tokens.
+            changes = {"sink": min(options.sink, cache.keep)}
+            if codec_layout(options.codec).keys.BLOCKED:  # block keys cannot be evicted a token at a time
+                # a block codec's group_size is its key block in tokens, not a per-token group of coordinates
+                changes.update(codec="affine", group_size=None)
+            return TurboQuantRotatingPackedCache(dataclasses.replace(options, **changes), max_size=cache.max_size,
+                                                 keep=cache.keep, fetch_placeholders=placeholders)
+        if kind is mlx_cache.CacheList:
+            return mlx_cache.CacheList(*(self._convert(c, options, placeholders) for c in cache.caches))
+        return cache  # SSM / arrays / chunked caches stay the model's own
+
+
+def make_prompt_cache(model, config=None, *, max_kv_size: Optional[int] = None, route_attention: bool = True,
+                      **options) -> List[Any]:
+    """One line: compressed caches for ``model`` (see `KVCacheBuilder` for the options) that attend from their
+    codes for as long as they live (``route_attention``: `hold_while_alive`).
+
+    ``max_kv_size`` gives every layer of a model without ``make_cache`` a sliding window of that size
+    (``keep=4``), as ``mlx_lm.models.cache.make_prompt_cache`` does. ``route_attention=False`` builds caches that
+    do not keep the routing on (they decode their history when fetched, unless something else routes attention
+    meanwhile: `use_packed_attention`, `enable`, or other live caches built with routing).
+    """
+    return KVCacheBuilder.for_model(model, config, max_kv_size=max_kv_size, route_attention=route_attention,
+                                    **options)
+
+
+# -- enable / disable ---------------------------------------------------------------------------------------------
+
 _MISSING = object()
-_lock = threading.RLock()
+_enable_lock = threading.RLock()
 _enabled: Dict[int, Dict[str, Any]] = {}  # id(model) -> {"model": weakref, "previous": instance make_cache}
 _mlx_lm_names = contextlib.ExitStack()
-
-
-def _default_options():
-    from veloxquant_mlx.eval.specs import CONFIGURATIONS
-
-    return CONFIGURATIONS[DEFAULT_CONFIGURATION]
 
 
 def enable(model, config=None, **options):
     """Make every cache mlx_lm builds for ``model`` a compressed one, attended from its codes; returns ``model``.
 
-    ``config`` / ``options``: as `make_prompt_cache` (a `CacheOptions`, a `KVCacheConfig`, or keyword options);
-    none given: the configuration named by ``DEFAULT_CONFIGURATION``.
+    ``config`` / ``options``: as `make_prompt_cache` (a preset name, a `CacheOptions`, a `KVCacheConfig`, or
+    keyword options); none given: `veloxquant_mlx.options.DEFAULT`.
     """
-    from veloxquant_mlx.cache.builder import KVCacheBuilder
-    from veloxquant_mlx.cache.prompt_cache_io import mlx_lm_cache_classes
-
     if not hasattr(model, "layers"):
         raise TypeError(f"model must be an mlx_lm model with .layers, got {type(model).__name__}")
-    if config is None and not options:
-        config = _default_options()
     builder = KVCacheBuilder(config, **options)
     builder.build(model)  # refuse bad options now, not at the first generate
 
@@ -57,12 +440,12 @@ def enable(model, config=None, **options):
         return builder.build(model)
 
     make_cache.veloxquant_options = builder.options  # what `enabled_options` reports
-    with _lock:
+    with _enable_lock:
         entry = _enabled.get(id(model))
         if entry is None:
             entry = {"model": weakref.ref(model), "previous": vars(model).get("make_cache", _MISSING)}
             if not _enabled:
-                hook.install()
+                install()
                 _mlx_lm_names.enter_context(mlx_lm_cache_classes())
             _enabled[id(model)] = entry
         model.make_cache = make_cache
@@ -71,7 +454,7 @@ def enable(model, config=None, **options):
 
 def disable(model):
     """Undo `enable` for ``model`` (a no-op for a model that is not enabled); returns ``model``."""
-    with _lock:
+    with _enable_lock:
         entry = _enabled.pop(id(model), None)
         if entry is None:
             return model
@@ -82,12 +465,12 @@ def disable(model):
             model.make_cache = previous
         if not _enabled:
             _mlx_lm_names.close()
-            hook.uninstall()
+            uninstall()
     return model
 
 
 def is_enabled(model) -> bool:
-    with _lock:
+    with _enable_lock:
         entry = _enabled.get(id(model))
         return entry is not None and entry["model"]() is model
 

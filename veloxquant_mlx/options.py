@@ -1,20 +1,30 @@
-"""`CacheOptions`: the one frozen configuration of a servable compressed cache.
+"""`CacheOptions`: the one frozen configuration of a servable compressed cache, its named presets and THE default.
 
 Everything a user can set on a packed cache lives here, is checked here once (`__post_init__`), and is what
 the builder, the caches, their saved state, the server, the CLI and the registry of named configurations
 read. The seed pages' `KVCacheConfig` maps onto it at the boundary (`from_kv_config`:
 ``bit_width_inlier`` is ``k_bits``).
+
+`PRESETS` names every configuration the tools offer (``--method NAME``, `veloxquant_mlx.eval.specs`); `DEFAULT`
+(`DEFAULT_NAME`, ``tq-affine-k8v4``) is the one every entry point uses when given nothing: `enable(model)`,
+`make_prompt_cache(model)`, ``veloxquant generate`` and ``veloxquant serve``. `resolve_options` turns what a caller
+gave (a preset name, a `CacheOptions`, a `KVCacheConfig` or None, plus keyword options) into `CacheOptions`.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple, Union
+from types import MappingProxyType
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
+from veloxquant_mlx.codecs import codec_layout
+from veloxquant_mlx.config import KVCacheConfig
 from veloxquant_mlx.rotation import ROTATION_KINDS as ROTATIONS
-from veloxquant_mlx.validate import check_bool, check_choice, check_int
+from veloxquant_mlx.validate import check_bool, check_choice, check_int, check_outlier_channels
 
 KINDS = ("packed", "rvq")
+# Each group of key channels (the outliers, the others) is rotated and coded as a vector: >= 2 channels each.
+OUTLIER_MIN_GROUP = 2
 METHODS = ("turboquant_mse", "turboquant_prod", "turboquant_rvq")
 Bits = Union[int, Tuple[int, ...]]
 
@@ -73,8 +83,6 @@ class CacheOptions:
     head_dim: Optional[int] = None
 
     def __post_init__(self):
-        from veloxquant_mlx.codecs import codec_layout
-
         set_ = lambda name, v: object.__setattr__(self, name, v)  # noqa: E731 - frozen: normalize in place
         check_choice("kind", self.kind, KINDS)
         check_choice("method", self.method, METHODS)
@@ -107,11 +115,8 @@ class CacheOptions:
             if not layout.keys.OUTLIERS:
                 raise ValueError(f"codec={self.codec!r} has no outlier channels: set n_outlier_channels=0 and "
                                  "value_outliers=False")
-            n = self.n_outlier_channels
-            if n and (n < 2 or (self.head_dim is not None and n > self.head_dim - 2)):
-                top = "head_dim-2" if self.head_dim is None else str(self.head_dim - 2)
-                raise ValueError(f"n_outlier_channels must be 0 or in 2..{top} (each channel group needs >= 2 "
-                                 f"coordinates), got {n}")
+            check_outlier_channels("n_outlier_channels", self.n_outlier_channels, self.head_dim,
+                                   min_group=OUTLIER_MIN_GROUP)
         if self.jl_dim is not None and self.method != "turboquant_prod":
             raise ValueError(f"jl_dim (the QJL sketch length) applies only to method='turboquant_prod', got "
                              f"method={self.method!r}")
@@ -166,8 +171,6 @@ class CacheOptions:
     @classmethod
     def from_kv_config(cls, config, **options) -> "CacheOptions":
         """`KVCacheConfig` (``bit_width_inlier`` = ``k_bits``) plus cache options -> `CacheOptions`."""
-        from veloxquant_mlx.config import KVCacheConfig
-
         if not isinstance(config, KVCacheConfig):
             raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
         base = {name: getattr(config, name) for name in cls._KV_FIELDS}
@@ -178,9 +181,103 @@ class CacheOptions:
 
     def kv_config(self):
         """The `KVCacheConfig` these options correspond to (what the seed's classes and saved states read)."""
-        from veloxquant_mlx.config import KVCacheConfig
-
         if isinstance(self.k_bits, tuple) or isinstance(self.v_bits, tuple):
             raise ValueError("kv_config() describes one layer: these options hold per-layer bits")
         return KVCacheConfig(bit_width_inlier=self.k_bits, v_bits=self.v_bits,
                              **{name: getattr(self, name) for name in self._KV_FIELDS})
+
+
+# -- named presets and the default ---------------------------------------------------------------------------------
+# The TurboQuant configurations every tool offers (demo, generate, eval, methods, plan, serve): the one registry of
+# named configurations, each a `CacheOptions`. Every "tq-<method>-kNvM" / "tq-affine-kNvM" configuration keeps the
+# first 4 tokens exact ("attention sinks"): on SmolLM2 this removed about a third of the KL at 4 bits
+# (benchmarks/probe_quality.py) and fixed garbled chat answers. "tq-affine": the TurboQuant rotation with MLX's
+# affine codes instead of the Lloyd-Max codebook, keys per channel over 64-token blocks ("affine_block"): the fastest
+# attention on codes. 8-bit codes: MLX's CPU quantized matmul runs faster on byte-aligned codes, and keys carry most
+# of the attention error: near-lossless, and (k8v8) decoding faster than the plain float32 cache on CPU.
+SINK_TOKENS = 4
+
+
+def _tq(method: str, k_bits: int, v_bits: int, codec: str = "lloyd_max") -> CacheOptions:
+    return CacheOptions(method=method, k_bits=k_bits, v_bits=v_bits, sink=SINK_TOKENS, codec=codec)
+
+
+# The budget configurations of issue 16: the best measured configuration within each bit budget (bits per
+# coordinate averaged over K and V, every stored byte counted, at 2048 and 4096 tokens; BENCHMARKS.md has the
+# measurements and the levers tried). Layout "kblock_vsym": keys per rotated channel over 128-token blocks with
+# least-squared-error clipped ranges (0.25 bit of float16 scale and bias), values per token with symmetric levels
+# and one float16 scale per 64 coordinates (0.25 bit), attention on the codes throughout (the same quality as
+# Lloyd-Max values, "kblock_vlloyd", at 37x less attention time). No exact tokens: trim_headroom=0 codes a block as
+# soon as it is complete, so at a multiple of 128 tokens nothing is held exact (up to 127 newest tokens wait exact
+# in between). No centring: the keys' per-channel biases absorb their means, and storing the means would cost
+# 0.016 bit at 2048 tokens.
+def _budget(bits: int) -> CacheOptions:
+    return CacheOptions(codec="kblock_vsym", k_bits=bits, v_bits=bits, group_size=128, trim_headroom=0,
+                        center_keys=False, center_values=False)
+
+
+# budget preset name -> its budget in bits per coordinate (every stored byte counted)
+BUDGETS: Mapping[str, float] = MappingProxyType({"tq-4b": 4.25, "tq-3b": 3.25, "tq-2b": 2.25})
+
+# name -> CacheOptions, read-only; display order
+PRESETS: Mapping[str, CacheOptions] = MappingProxyType({
+    "tq-mse-k4v4": _tq("turboquant_mse", 4, 4),
+    "tq-mse-k3v3": _tq("turboquant_mse", 3, 3),
+    "tq-mse-k2v2": _tq("turboquant_mse", 2, 2),
+    "tq-prod-k4v4": _tq("turboquant_prod", 4, 4),
+    "tq-rvq-k2v2": _tq("turboquant_rvq", 2, 2),
+    "tq-affine-k4v4": _tq("turboquant_mse", 4, 4, "affine_block"),
+    "tq-affine-k8v4": _tq("turboquant_mse", 8, 4, "affine_block"),
+    "tq-affine-k8v8": _tq("turboquant_mse", 8, 8, "affine_block"),
+    "tq-4b": _budget(4),
+    "tq-3b": _budget(3),
+    "tq-2b": _budget(2),
+})
+assert set(BUDGETS) <= set(PRESETS)
+
+# THE default: what `enable(model)`, `make_prompt_cache(model)`, ``veloxquant generate`` and ``veloxquant serve``
+# use when given no configuration. The best measured so far (BENCHMARKS.md): 8-bit keys per channel over 64-token
+# blocks, 4-bit values, 4 exact sink tokens; KL 0.004 at 512 tokens on SmolLM2.
+DEFAULT_NAME = "tq-affine-k8v4"
+DEFAULT: CacheOptions = PRESETS[DEFAULT_NAME]
+
+
+def preset(name: str) -> CacheOptions:
+    """The preset called ``name`` (ValueError naming the presets when there is none)."""
+    if not isinstance(name, str):
+        raise TypeError(f"a preset name must be a str, got {type(name).__name__} ({name!r})")
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown configuration {name!r}; presets: {', '.join(PRESETS)}") from None
+
+
+def resolve_options(config: Union[None, str, CacheOptions, KVCacheConfig] = None, **options: Any) -> CacheOptions:
+    """The `CacheOptions` of ``config`` plus keyword ``options`` (any `CacheOptions` field; lists of per-layer bits
+    are accepted).
+
+    The rule for defaults:
+
+    - nothing (``config`` None, no keyword options): `DEFAULT`, the ``tq-affine-k8v4`` preset;
+    - keyword options alone (``config`` None): those options on top of `CacheOptions`' *field defaults*, i.e.
+      ``CacheOptions(**options)``, not on top of `DEFAULT` (so ``k_bits=3`` alone is Lloyd-Max keys and values at
+      3 bits, no sink tokens, as it always was); start from the default with ``resolve_options(DEFAULT_NAME, ...)``;
+    - a preset name (a key of `PRESETS`): that preset, keyword options replacing its fields;
+    - a `CacheOptions`: it (the same object when no options are given), keyword options replacing its fields;
+    - a seed-page `KVCacheConfig`: ``CacheOptions.from_kv_config(config, **options)``.
+
+    Unknown option names raise TypeError naming them; an unknown preset name raises ValueError naming the presets.
+    """
+    unknown = sorted(set(options) - set(CacheOptions.field_names()))
+    if unknown:
+        raise TypeError(f"unknown option(s) {unknown}; options are {list(CacheOptions.field_names())}")
+    if config is None:
+        return CacheOptions(**options) if options else DEFAULT
+    if isinstance(config, str):
+        config = preset(config)
+    if isinstance(config, CacheOptions):
+        return dataclasses.replace(config, **options) if options else config
+    if isinstance(config, KVCacheConfig):
+        return CacheOptions.from_kv_config(config, **options)
+    raise TypeError(f"config must be a preset name, a CacheOptions, a KVCacheConfig or None, got "
+                    f"{type(config).__name__}")

@@ -29,14 +29,15 @@ from mlx_lm.models.cache import LRUPromptCache
 from mlx_lm.server import (APIHandler, ModelProvider, ResponseGenerator, convert_chat, get_system_fingerprint,
                             process_message_content)
 
-from .attention import use_packed_attention
 from .distributed import rank_summary, shard
 from .eval.memory import measure_footprint
 from .eval.specs import method_names, resolve_spec
+from .integration import use_packed_attention
 from .models import ModelPackageMissing, load_model, max_context
+from .options import DEFAULT_NAME
 
 logger = logging.getLogger("veloxquant_mlx.server")
-DEFAULT_METHOD = "tq-mse-k4v4"
+DEFAULT_METHOD = DEFAULT_NAME  # the one default of every entry point (veloxquant_mlx.options)
 
 
 def range_error(value: Any, kind: type, low=None, high=None) -> Optional[str]:
@@ -84,7 +85,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--model", default="smollm2", help="'smollm2' (embedded, default), a .gguf file "
                         "or an mlx_lm model directory")
     parser.add_argument("--method", default=DEFAULT_METHOD, choices=names, metavar="NAME", help="KV cache of "
-                        f"every request (see `veloxquant methods`; default {DEFAULT_METHOD}): {', '.join(names)}")
+                        f"every request (default {DEFAULT_METHOD}, the default of `enable(model)` too; see "
+                        f"`veloxquant methods`): {', '.join(names)}")
     parser.add_argument("--bits", type=_bounded(float, 1, 16), default=None, help="bits, with a family --method")
     parser.add_argument("--no-batching", action="store_true", help="answer requests one after another")
     parser.add_argument("--pipeline", action="store_true", help="under mlx.launch: split the layers over the ranks "

@@ -47,6 +47,25 @@ def check_choice(name: str, value, choices: Iterable) -> str:
     return value
 
 
+def check_outlier_channels(name: str, value, head_dim: Optional[int] = None, *, min_group: int = 2) -> int:
+    """The number of key channels coded apart as outliers: the one rule of `CacheOptions` and `KVCacheConfig`.
+
+    ``value`` is 0 (no outlier channels) or splits ``head_dim`` into two channel groups, the ``value`` outlier
+    channels and the ``head_dim - value`` others, each holding at least ``min_group`` channels: ``value`` in
+    ``min_group..head_dim - min_group`` (without ``head_dim``, only the lower bound is checked). ``min_group`` is
+    what the coder of a group needs: 2 where each group is rotated and coded as a vector (the packed caches'
+    ``lloyd_max`` codec, `CacheOptions`), 1 where outlier channels are kept as int8 columns and the others are
+    quantized over the whole head (the seed's standalone `TurboQuantKVCache`, `KVCacheConfig`).
+    """
+    n = check_int(name, value, 0)
+    lo = check_int("min_group", min_group, 1)
+    if n and (n < lo or (head_dim is not None and n > head_dim - lo)):
+        top = f"head_dim-{lo}" if head_dim is None else str(head_dim - lo)
+        raise ValueError(f"{name} must be 0 or in {lo}..{top} (each of the two channel groups, outliers and "
+                         f"the others, needs >= {lo} channel{'s' if lo > 1 else ''}), got {n}")
+    return n
+
+
 def check_finite(name: str, value, lo: Optional[float] = None) -> float:
     """A finite real number (ints allowed), optionally ``> lo``."""
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):

@@ -1,4 +1,5 @@
-"""KV caches: servable mlx_lm caches (packed K and V), the seed's RVQ cache, builder and prompt-cache files.
+"""KV caches: servable mlx_lm caches (packed K and V) and prompt-cache files; the builder (in
+:mod:`veloxquant_mlx.integration`) and the seed pages' caches (in :mod:`veloxquant_mlx.compat`) re-exported.
 
 Imports are lazy so ``import veloxquant_mlx.cache`` does not pull in mlx_lm or the quantizers.
 """
@@ -11,14 +12,14 @@ _EXPORTS = {
     "TurboQuantRotatingPackedCache": "veloxquant_mlx.cache.packed_cache",
     "TurboQuantBatchPackedCache": "veloxquant_mlx.cache.batch_packed_cache",
     "TurboQuantBatchRotatingPackedCache": "veloxquant_mlx.cache.batch_packed_cache",
-    "TurboQuantRVQKVCache": "veloxquant_mlx.cache.turboquant_rvq_cache",
-    "TurboQuantKVCache": "veloxquant_mlx.cache.turboquant_cache",
-    "KVCacheBuilder": "veloxquant_mlx.cache.builder",
+    "TurboQuantRVQKVCache": "veloxquant_mlx.compat.turboquant_rvq_cache",
+    "TurboQuantKVCache": "veloxquant_mlx.compat.turboquant_cache",
+    "KVCacheBuilder": "veloxquant_mlx.integration",
     "CacheOptions": "veloxquant_mlx.options",
-    "make_prompt_cache": "veloxquant_mlx.cache.builder",
+    "make_prompt_cache": "veloxquant_mlx.integration",
     "save_prompt_cache": "veloxquant_mlx.cache.prompt_cache_io",
     "load_prompt_cache": "veloxquant_mlx.cache.prompt_cache_io",
-    "mlx_lm_cache_classes": "veloxquant_mlx.cache.prompt_cache_io",
+    "mlx_lm_cache_classes": "veloxquant_mlx.integration",
     "SERVABLE_METHODS": "veloxquant_mlx.cache.base",
     "STANDALONE_METHODS": "veloxquant_mlx.cache.base",
 }

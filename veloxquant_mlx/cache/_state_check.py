@@ -12,6 +12,10 @@ from typing import Any, Dict, Tuple
 
 import mlx.core as mx
 
+from veloxquant_mlx.cache.rows import Rows, rows_from_arrays
+from veloxquant_mlx.codecs import codec_layout
+from veloxquant_mlx.config import KVCacheConfig
+from veloxquant_mlx.options import CacheOptions
 from veloxquant_mlx.validate import FLOAT_DTYPES
 
 _FORMATS = (1, 2, 3)
@@ -41,13 +45,9 @@ def _parse_meta(cls, state, formats) -> Dict[str, Any]:
 
 def read_meta(cls, state) -> Tuple[Any, Dict[str, Any], Dict[str, Any]]:
     """``(CacheOptions, constructor keyword arguments, meta dict)`` from ``state["meta"]``."""
-    from veloxquant_mlx.options import CacheOptions
-
     meta = _parse_meta(cls, state, _FORMATS)
     try:
         if meta["format"] == 1:  # options split into a KVCacheConfig dict and cache options
-            from veloxquant_mlx.config import KVCacheConfig
-
             opts = dict(meta["options"])
             kwargs = {k: opts.pop(k) for k in _CACHE_KEYS if k in opts}
             options = CacheOptions.from_kv_config(KVCacheConfig.from_dict(meta["config"]), **opts)
@@ -83,68 +83,74 @@ def _check_exact(cls, name: str, arrays: Dict[str, mx.array], dims) -> None:
         raise _fail(cls, f"the {name} window's 'k' and 'v' disagree on (B, H, n)")
 
 
-def restore_arrays(cache, state: Dict[str, Any], meta: Dict[str, Any]) -> None:
-    """Check ``state``'s arrays against ``cache``'s options and ``meta``, then load them into ``cache``."""
-    cls = type(cache)
+def single_prefixes(block: int) -> tuple:
+    """Array name prefixes of a single cache's state: sink, tail, key codes, value codes, fitted key / value
+    parameters (format-1 names: per-token key codes "c_k_*", transposed block keys "kc_*")."""
+    return ("s_", "t_", "kc_" if block > 1 else "c_k_", "c_v_", "kfit_", "vfit_")
+
+
+def restore_rows(cls, state: Dict[str, Any], meta: Dict[str, Any], options, window):
+    """The `Rows` a single cache's ``state`` describes, every array checked against ``options`` and ``meta``."""
     names = set(state) - {"meta"}
     if meta["dims"] is None:
         if names or meta["offset"]:
             raise _fail(cls, f"no head dims recorded, yet it holds arrays {sorted(names)} / offset {meta['offset']}")
-        return
-    cache._setup(*meta["dims"])
-    claimed = set()
-    for prefix, codec in (("kfit_", cache.k_codec), ("vfit_", cache.v_codec)):
-        fitted = {n[len(prefix):]: a for n, a in state.items() if n.startswith(prefix)}
-        claimed |= {prefix + n for n in fitted}
-        try:
-            codec.load_fitted(fitted)
-        except ValueError as e:
-            raise _fail(cls, f"{prefix}*: {e}") from None
-    stores = cache._store_prefixes()
-    loaded = {prefix: {n[len(prefix):]: a for n, a in state.items() if n.startswith(prefix)} for prefix in stores}
-    claimed |= {prefix + n for prefix, arrays in loaded.items() for n in arrays}
-    unexpected = sorted(names - claimed)
+        return rows_from_arrays(options, window, None, {}, meta["offset"])
+    dims = tuple(meta["dims"])
+    if options.head_dim is not None and options.head_dim != dims[0]:
+        raise _fail(cls, f"'meta' dims {list(dims)} disagree with head_dim={options.head_dim}")
+    codecs = codec_layout(options.codec).make(options, *dims)
+    prefixes = single_prefixes(codecs[0].token_block)
+    loaded = {p: _take(cls, state, p) for p in prefixes}
+    unexpected = sorted(names - {p + n for p, arrays in loaded.items() for n in arrays})
     if unexpected:
         raise _fail(cls, f"unexpected arrays {unexpected}")
+    s_, t_, kc_, cv_, kfit_, vfit_ = prefixes
     counts = {}
-    for prefix, arrays in loaded.items():
-        store = stores[prefix]
-        if prefix in ("s_", "t_"):
-            if arrays:
-                _check_exact(cls, {"s_": "sink", "t_": "tail"}[prefix], arrays, cache.dims)
-            n = arrays["k"].shape[2] if arrays else 0
-        else:
-            codec = cache.k_codec if store is cache.k_codes else cache.v_codec
-            if arrays:
-                try:
-                    codec.check_codes(arrays, f"{prefix}*")
-                except ValueError as e:
-                    raise _fail(cls, str(e)) from None
-            n = codec.n_tokens(arrays)
-        counts[prefix] = n
-        store.load(arrays)
-    k_prefix = "kc_" if cache._block > 1 else "c_k_"
-    expected = {"s_": meta["stores"]["sink"], "t_": meta["stores"]["tail"], k_prefix: meta["stores"]["codes"],
-                "c_v_": meta["stores"]["codes"]}
+    for prefix, what in ((s_, "sink"), (t_, "tail")):
+        if loaded[prefix]:
+            _check_exact(cls, what, loaded[prefix], dims)
+        counts[prefix] = loaded[prefix]["k"].shape[2] if loaded[prefix] else 0
+    for prefix, codec in ((kc_, codecs[0]), (cv_, codecs[1])):
+        if loaded[prefix]:
+            try:
+                codec.check_codes(loaded[prefix], f"{prefix}*")
+            except ValueError as e:
+                raise _fail(cls, str(e)) from None
+        counts[prefix] = codec.n_tokens(loaded[prefix]) if loaded[prefix] else 0
+    for prefix, codec in ((kfit_, codecs[0]), (vfit_, codecs[1])):
+        try:
+            codec.load_fitted(loaded[prefix]) if loaded[prefix] else None  # (a copy made by make(): checks only)
+        except ValueError as e:
+            raise _fail(cls, f"{prefix}*: {e}") from None
+    stores = meta["stores"]
+    expected = {s_: stores["sink"], t_: stores["tail"], kc_: stores["codes"], cv_: stores["codes"]}
     for prefix, n in counts.items():
         if n != expected[prefix]:
             raise _fail(cls, f"arrays {prefix}* hold {n} tokens, but 'meta' says {expected[prefix]}")
-    heads = {tuple(next(iter(s.buffers.values())).shape[:2]) for s in cache._stores() if s.buffers}
+    heads = {tuple(a.shape[:2]) for p in (s_, t_, kc_, cv_) for a in loaded[p].values()}
     if len(heads) > 1:
         raise _fail(cls, f"stored arrays disagree on (B, H): {sorted(heads)}")
-    stored = sum(expected[p] for p in ("s_", "t_", "c_v_"))
-    rotating = hasattr(cache, "max_size")
-    if (stored != meta["offset"]) if not rotating else (stored > meta["offset"]):
+    stored = stores["sink"] + stores["tail"] + stores["codes"]
+    if (stored != meta["offset"]) if window is None else (stored > meta["offset"]):
         raise _fail(cls, f"offset {meta['offset']} does not match the {stored} tokens stored")
-    if meta["stores"]["codes"] and not cache._fitted:  # codes read only with the parameters they were coded with
-        raise _fail(cls, f"{meta['stores']['codes']} coded tokens but no fitted codec arrays (kfit_* / vfit_*)")
-    if expected["s_"] != min(cache.sink, meta["offset"]):
-        raise _fail(cls, f"the sink holds {expected['s_']} tokens, expected min(sink={cache.sink}, offset)")
-    cache.offset = meta["offset"]
+    for prefix, codec in ((kfit_, codecs[0]), (vfit_, codecs[1])):
+        if stores["codes"] and codec.blank_fitted(1) and not loaded[prefix]:
+            # codes read only with the parameters they were coded with
+            raise _fail(cls, f"{stores['codes']} coded tokens but no fitted codec arrays ({prefix}*)")
+    if stores["sink"] != min(options.sink, meta["offset"]):
+        raise _fail(cls, f"the sink holds {stores['sink']} tokens, expected min(sink={options.sink}, offset)")
+    arrays = {"sink": loaded[s_], "tail": loaded[t_], "k_codes": loaded[kc_], "v_codes": loaded[cv_],
+              "k_fit": loaded[kfit_], "v_fit": loaded[vfit_]}
+    try:
+        return rows_from_arrays(options, window, dims, arrays, meta["offset"])
+    except ValueError as e:
+        raise _fail(cls, str(e)) from None
 
 
 # -- batch caches ------------------------------------------------------------------------------------------
 _BATCH_FORMATS = (1,)
+BATCH_ROWS = ("lengths", "sink_n", "coded", "tail_n")  # per-row token counts in a batch state's meta (+ "start")
 
 
 def _count_list(cls, name: str, value, B: int) -> None:
@@ -155,8 +161,6 @@ def _count_list(cls, name: str, value, B: int) -> None:
 
 def read_batch_meta(cls, state) -> Tuple[Any, Dict[str, Any], Dict[str, Any]]:
     """``(CacheOptions, constructor keyword arguments, meta dict)`` of a batch cache's ``state["meta"]``."""
-    from veloxquant_mlx.options import CacheOptions
-
     meta = _parse_meta(cls, state, _BATCH_FORMATS)
     try:
         options = CacheOptions.from_dict(meta["options"])
@@ -172,10 +176,11 @@ def read_batch_meta(cls, state) -> Tuple[Any, Dict[str, Any], Dict[str, Any]]:
         raise _fail(cls, f"'meta' dims must be None or two positive ints, got {dims!r}")
     if not isinstance(heads, int) or heads < 0 or (dims is not None) != (heads > 0):
         raise _fail(cls, f"'meta' heads must be a positive int when dims are recorded (0 before), got {heads!r}")
-    if not isinstance(rows, dict) or set(rows) != set(cls._ROWS) | {"fitted"}:
-        raise _fail(cls, f"'meta' rows must hold {sorted(set(cls._ROWS) | {'fitted'})}, got {rows!r}")
+    want = set(BATCH_ROWS) | {"start", "fitted"}
+    if not isinstance(rows, dict) or set(rows) != want:
+        raise _fail(cls, f"'meta' rows must hold {sorted(want)}, got {rows!r}")
     B = len(rows["lengths"]) if isinstance(rows["lengths"], list) else -1
-    for name in cls._ROWS:
+    for name in BATCH_ROWS + ("start",):
         _count_list(cls, name, rows[name], B)
     if not (isinstance(rows["fitted"], list) and len(rows["fitted"]) == B
             and all(isinstance(f, bool) for f in rows["fitted"])):
@@ -191,16 +196,16 @@ def _take(cls, state: Dict[str, Any], prefix: str) -> Dict[str, mx.array]:
     return out
 
 
-def restore_batch_arrays(batch, state: Dict[str, Any], meta: Dict[str, Any]) -> None:
+def restore_batch_rows(cls, state: Dict[str, Any], meta: Dict[str, Any], batch: Rows) -> Rows:
     """Check a batch ``state``'s arrays against its meta (shapes, dtypes, row counts within the stored slots) and
-    load them into ``batch`` (built with the meta's options and rows), so that `extract` can read every row."""
-    cls, rows, B = type(batch), meta["rows"], batch.B
+    load them into ``batch`` (the empty `Rows` of the meta's options and rows), so that every row can be read."""
+    rows, B = meta["rows"], batch.B
     names = set(state) - {"meta"}
     if meta["dims"] is None:
         if names or any(rows["lengths"]):
             raise _fail(cls, f"no head dims recorded, yet it holds arrays {sorted(names)} / lengths {rows['lengths']}")
-        return
-    batch._setup(*meta["dims"], meta["heads"])
+        return batch
+    batch.setup(*meta["dims"], meta["heads"])
     H, (dk, dv) = batch.heads, batch.dims
     claimed = set()
 
@@ -244,10 +249,10 @@ def restore_batch_arrays(batch, state: Dict[str, Any], meta: Dict[str, Any]) -> 
             raise _fail(cls, f"key and value codes hold {capacity} and {cap} token slots")
         capacity = cap
         store.arrays, store.capacity = arrays, cap
-    for prefix, folded in (("kfit_", batch.k_codec), ("vfit_", batch.v_codec)):
+    for which, prefix in enumerate(("kfit_", "vfit_")):
         arrays = _take(cls, state, prefix)
         claimed.update(prefix + n for n in arrays)
-        placeholder = folded.fitted_arrays()
+        placeholder = batch.fitted_rows(which)
         if set(arrays) != set(placeholder):
             raise _fail(cls, f"fitted arrays {prefix}* must be {sorted(placeholder)}, got {sorted(arrays)}")
         for n, a in arrays.items():
@@ -255,9 +260,13 @@ def restore_batch_arrays(batch, state: Dict[str, Any], meta: Dict[str, Any]) -> 
                 raise _fail(cls, f"fitted array {prefix}{n} has shape {tuple(a.shape)} {a.dtype}, expected "
                                  f"{tuple(placeholder[n].shape)} {placeholder[n].dtype} (B*H rows)")
         try:
-            folded.load_fitted(arrays)
+            codec = batch.base[which].with_fitted(arrays)
         except ValueError as e:
             raise _fail(cls, f"{prefix}*: {e}") from None
+        if which:
+            batch.v_codec = codec
+        else:
+            batch.k_codec = codec
     unexpected = sorted(names - claimed)
     if unexpected:
         raise _fail(cls, f"unexpected arrays {unexpected}")
@@ -269,7 +278,7 @@ def restore_batch_arrays(batch, state: Dict[str, Any], meta: Dict[str, Any]) -> 
     batch.sink = sink
     if tail is not None:
         batch.tail.load(tail)
-    for name in cls._ROWS:
+    for name in BATCH_ROWS:
         setattr(batch, name, list(rows[name]))
-    batch.fitted = list(rows["fitted"])
-    batch._set_lengths(batch.lengths)
+    batch.gone, batch.fitted = list(rows["start"]), list(rows["fitted"])
+    return batch

@@ -1,32 +1,22 @@
-"""Servable compressed KV caches for mlx_lm: keys AND values stored as codes of a registered layout.
+"""The mlx_lm-facing packed caches: thin faces over one storage engine (:mod:`veloxquant_mlx.cache.rows`).
 
-`TurboQuantPackedCache` is a drop-in for `mlx_lm.models.cache.KVCache`; `TurboQuantRotatingPackedCache` for
-`RotatingKVCache` (sliding-window layers, same ``max_size`` / ``keep``).
+- `TurboQuantPackedCache`: a drop-in for ``mlx_lm.models.cache.KVCache`` (one sequence, or several in lockstep
+  as mlx_lm's KVCache holds them); `TurboQuantRotatingPackedCache` for ``RotatingKVCache`` (sliding windows, same
+  ``max_size`` / ``keep``).
+- `TurboQuantBatchPackedCache` / `TurboQuantBatchRotatingPackedCache`: what mlx_lm's ``BatchGenerator``
+  (``batch_generate``, ``mlx_lm.server``) merges them into: ``prepare`` / ``finalize`` around padded prompts,
+  ``filter`` / ``extend`` as sequences leave and join, ``extract(i)`` back to a single cache. Every row behaves
+  exactly as its sequence alone (same tokens coded, same fits, same attention), whatever the options.
 
-Storage, in temporal order (token axis 2 for the exact parts; the codes in their codec's layout):
-
-    [ sink: first ``sink`` tokens, exact | codes: K and V codes | tail: newest tokens, exact ]
-
-The tail holds the last ``recent`` tokens plus, when ``recent > 0``, up to ``trim_headroom`` older ones, read
-through an encode/decode round trip (exactly as coded tokens read) and coded when they leave the tail: after
-``trim(n <= trim_headroom)`` (speculative decoding) the last ``recent`` tokens are still exact. A codec that
-codes blocks of tokens (``token_block > 1``) codes whole blocks only; up to ``block - 1`` more tokens wait
-exact in the tail. No full-precision copy of the coded history exists; `nbytes` sums the stored arrays.
-
-Attention: mlx_lm calls ``update_and_fetch`` then its SDPA. Inside ``use_packed_attention()`` the hook sends
-SDPA to `attend_packed`, which reads `attention_parts()` (codes and exact windows) and never decodes the
-history; ``update_and_fetch`` then returns zero-cost placeholders (``fetch_placeholders``; the builder turns it
-off for models whose attention bypasses mlx_lm's function). Elsewhere ``update_and_fetch`` decodes. These
-caches never define ``bits`` (mlx_lm would send any cache with ``bits`` to its affine quantized SDPA).
-
-``state`` holds everything needed to rebuild (a JSON ``meta`` string with the options and offset, plus the
-arrays), because mlx_lm >= 0.32 calls ``from_state(state)`` only; `from_state` refuses a state whose arrays do
-not add up, naming the array.
+Keys AND values are stored as codes of a registered layout (``options.codec``) between an exact sink and an exact
+tail. Inside ``use_packed_attention()`` (or after ``enable(model)``) mlx_lm's SDPA is sent to `attend_packed`,
+which reads the codes (never a decoded history) and ``update_and_fetch`` returns zero-cost placeholders; elsewhere
+a single cache decodes its history. These caches never define ``bits`` (mlx_lm would send any cache with ``bits``
+to its affine quantized SDPA). ``state`` holds everything needed to rebuild (a JSON ``meta`` string plus the
+arrays; mlx_lm >= 0.32 calls ``from_state(state)`` only) and `from_state` refuses a state that does not add up.
 """
 from __future__ import annotations
 
-import copy
-import dataclasses
 import json
 from typing import Any, Dict, List, Optional
 
@@ -35,31 +25,19 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from veloxquant_mlx.attention import hook as _hook
-from veloxquant_mlx.attention.packed_sdpa import CodedPart, ExactPart, packed_attention
+from veloxquant_mlx.attention.packed_sdpa import CodedPart, ExactPart, attend_one_query, packed_attention
+from veloxquant_mlx.cache import _state_check as _state
 from veloxquant_mlx.cache._pipeline import PipelineDependency
-from veloxquant_mlx.cache._token_store import TokenStore
-from veloxquant_mlx.options import CacheOptions
+from veloxquant_mlx.cache.rows import Rows, concat_rows, row_arrays, take_rows
 from veloxquant_mlx.codecs import codec_layout
 from veloxquant_mlx.codecs._common import check_codable
-from veloxquant_mlx.validate import check_bool, check_heads, check_int
+from veloxquant_mlx.options import resolve_options
+from veloxquant_mlx.validate import FLOAT_DTYPES, check_bool, check_heads, check_int
 
-# of ``state``; formats 1 (config + options, before CacheOptions) and 2 are still read, except turboquant_prod codes:
+# of a single cache's ``state``; formats 1 (config + options) and 2 are still read, except turboquant_prod codes:
 # format 3 changed their QJL sketch (orthogonal rows), so older prod codes would decode wrongly
 FORMAT = 3
-_CACHE_FIELDS = ("fetch_placeholders",)
-
-
-def resolve_options(config=None, **options) -> CacheOptions:
-    """`CacheOptions` from a `CacheOptions`, a seed-page `KVCacheConfig` or None, plus keyword options."""
-    if config is None:
-        return CacheOptions.from_dict(options)
-    if isinstance(config, CacheOptions):
-        return dataclasses.replace(config, **options) if options else config
-    from veloxquant_mlx.config import KVCacheConfig
-
-    if isinstance(config, KVCacheConfig):
-        return CacheOptions.from_kv_config(config, **options)
-    raise TypeError(f"config must be a CacheOptions, a KVCacheConfig or None, got {type(config).__name__}")
+BATCH_FORMAT = 1  # of a batch cache's ``state``
 
 
 def _check_pair(keys, values, k_dim: Optional[int], v_dim: Optional[int]) -> None:
@@ -71,18 +49,82 @@ def _check_pair(keys, values, k_dim: Optional[int], v_dim: Optional[int]) -> Non
         raise ValueError("keys and values must hold at least one token (T >= 1), got T = 0")
 
 
-class TurboQuantPackedCache(PipelineDependency, _BaseCache):
+def _check_window(options, max_size, keep) -> tuple:
+    """``(max_size, keep)`` of a sliding window, checked against the options."""
+    if codec_layout(options.codec).keys.BLOCKED:
+        raise ValueError(f"codec={options.codec!r} codes keys in blocks of tokens, which a sliding window cannot evict "
+                         "one at a time; use codec='affine' for RotatingKVCache layers (make_prompt_cache does so)")
+    max_size, keep = check_int("max_size", max_size, 1), check_int("keep", keep, 0)
+    if keep > max_size:
+        raise ValueError(f"keep must be <= max_size ({max_size}), got {keep}")
+    if options.sink > keep:
+        raise ValueError(f"sink must be <= keep ({keep}) in a rotating cache (sink tokens are never evicted), got "
+                         f"{options.sink}")
+    return max_size, keep
+
+
+def _decode(parts, dtype):
+    """Parts decoded and concatenated along the tokens ``(B, H, n, d)`` (the path outside attention on codes)."""
+    ks = [p.keys.astype(dtype) if isinstance(p, ExactPart) else p.k_codec.decode(p.k_arrays, dtype) for p in parts]
+    vs = [p.values.astype(dtype) if isinstance(p, ExactPart) else p.v_codec.decode(p.v_arrays, dtype) for p in parts]
+    return (ks[0], vs[0]) if len(ks) == 1 else (mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2))
+
+
+class _PackedFace(PipelineDependency, _BaseCache):
+    """What every packed cache shares: the options, the rows, bytes, copies."""
+
+    window = None  # (max_size, keep) of a sliding window
+
+    k_bits = property(lambda self: self.options.k_bits)
+    v_bits = property(lambda self: self.options.v_bits)
+    sink = property(lambda self: self.options.sink)
+    recent = property(lambda self: self.options.recent)
+    trim_headroom = property(lambda self: self.options.trim_headroom)
+    codec = property(lambda self: self.options.codec)
+    dims = property(lambda self: self.rows.dims)
+    k_codec = property(lambda self: self.rows.k_codec)
+    v_codec = property(lambda self: self.rows.v_codec)
+
+    @property
+    def config(self):
+        """The options as the seed pages' `KVCacheConfig` (``bit_width_inlier`` = ``k_bits``)."""
+        return self.options.kv_config()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every array this cache holds (codes with their free slots, exact windows, fitted parameters)."""
+        return self.rows.nbytes
+
+    def _cache_meta(self) -> Dict[str, Any]:
+        meta = {"fetch_placeholders": self.fetch_placeholders}
+        return {**meta, "max_size": self.window[0], "keep": self.window[1]} if self.window else meta
+
+    @property
+    def state(self) -> Dict[str, Any]:
+        return self._state()
+
+    @state.setter
+    def state(self, value) -> None:
+        self.__dict__.update(type(self).from_state(value).__dict__)
+
+    def __deepcopy__(self, memo):
+        new = type(self).__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new.rows = self.rows.copy()
+        return new
+
+
+class TurboQuantPackedCache(_PackedFace):
     """mlx_lm-compatible KV cache storing keys and values as codes.
 
     Args:
-        config: `CacheOptions`, a `KVCacheConfig` (``bit_width_inlier`` = ``k_bits``) or None; keyword options
-            (`CacheOptions` fields: ``k_bits``, ``v_bits``, ``sink``, ``recent``, ``codec``, ...) override it.
+        config: a `CacheOptions`, a preset name, a `KVCacheConfig` (``bit_width_inlier`` = ``k_bits``) or None;
+            keyword options (`CacheOptions` fields: ``k_bits``, ``v_bits``, ``sink``, ``recent``, ``codec``, ...)
+            override it.
         fetch_placeholders: while the packed-attention hook is active, `update_and_fetch` returns placeholders
             (attention reads the codes through `attend_packed`). False for a model whose attention does not go
             through mlx_lm's ``scaled_dot_product_attention``.
     """
-
-    step = 256
 
     def __init__(self, config=None, *, fetch_placeholders: bool = True, **options):
         opts = resolve_options(config, **options).layer_options()
@@ -93,101 +135,83 @@ class TurboQuantPackedCache(PipelineDependency, _BaseCache):
         # Set when update_and_fetch returned placeholders; cleared by attend_packed. Still set at the next update
         # means the model's attention bypassed the hook and read the placeholders: fail loudly.
         self._awaiting_attention = False
-        self.offset = 0
-        self.dims: Optional[tuple] = None  # (key head_dim, value head_dim), fixed by the first update
-        self.k_codec = self.v_codec = None
-        self.k_codes = self.v_codes = None  # the codecs' stores, made with the codecs
-        self.sink_store = TokenStore(max(1, opts.sink))
-        self.tail = TokenStore(max(16, opts.recent + opts.trim_headroom))
-        self._dependency = None  # mlx_lm's pipeline writes `keys` (PipelineDependency)
-
-    # -- the options, read-only -------------------------------------------------------------------
-    k_bits = property(lambda self: self.options.k_bits)
-    v_bits = property(lambda self: self.options.v_bits)
-    sink = property(lambda self: self.options.sink)
-    recent = property(lambda self: self.options.recent)
-    trim_headroom = property(lambda self: self.options.trim_headroom)
-    codec = property(lambda self: self.options.codec)
+        self.rows = Rows(opts, 1, self.window)
+        self._dependency = None
 
     @property
-    def config(self):
-        """The options as the seed pages' `KVCacheConfig` (``bit_width_inlier`` = ``k_bits``)."""
-        return self.options.kv_config()
-
-    def _setup(self, k_dim: int, v_dim: int) -> None:
-        """Make the codecs and their stores once the head dims are known (first update, or a restore)."""
-        if self.options.head_dim is not None and self.options.head_dim != k_dim:
-            raise ValueError(f"keys have head_dim {k_dim}, but the cache was set up for head_dim={self.options.head_dim}")
-        self.k_codec, self.v_codec = codec_layout(self.options.codec).make(self.options, k_dim, v_dim)
-        block = self.k_codec.token_block
-        self.k_codes = self.k_codec.new_store(self.step)
-        # With block keys, values arrive a whole block at a time: growing by one block keeps their store exactly
-        # full, so attention reads whole contiguous arrays (no slice, no copy inside the quantized matmul).
-        self.v_codes = self.v_codec.new_store(block if block > 1 else self.step)
-        self.dims = (k_dim, v_dim)
-
-    @property
-    def _block(self) -> int:
-        return self.k_codec.token_block if self.k_codec is not None else 1
+    def offset(self) -> int:
+        return self.rows.lengths[0]
 
     @property
     def n_coded(self) -> int:
         """Tokens held as codes (the rest are in the exact sink and tail)."""
-        return self.v_codes.length if self.v_codes is not None else 0
+        return self.rows.coded[0] - self.rows.gone[0]
 
-    @property
-    def _count(self) -> int:
-        return self.sink_store.length + self.n_coded + self.tail.length
+    def _stored(self) -> int:
+        r = self.rows
+        return r.sink_n[0] + r.coded[0] - r.gone[0] + r.tail_n[0]
 
     # -- the mlx_lm protocol ----------------------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Store ``keys``/``values`` ``(B, H, T, d)``; return the whole history ``(B, H, n, d)`` in their dtype
         (a zero-cost placeholder of that shape while attention is routed to `attend_packed`)."""
         _check_pair(keys, values, *(self.dims or (self.options.head_dim, None)))
+        rows = self.rows
+        if rows.dims is None:
+            if keys.shape[0] != rows.B:  # several sequences in lockstep, as mlx_lm's KVCache holds them
+                self.rows = rows = Rows(self.options, keys.shape[0], self.window)
+            if self.options.head_dim is not None and self.options.head_dim != keys.shape[-1]:
+                raise ValueError(f"keys have head_dim {keys.shape[-1]}, but the cache was set up for "
+                                 f"head_dim={self.options.head_dim}")
+        elif tuple(keys.shape[:2]) != (rows.B, rows.heads):
+            raise ValueError(f"keys have (B, H) = {tuple(keys.shape[:2])}, but this cache holds {(rows.B, rows.heads)}")
         self._check_codable(keys, values)
-        self._append(keys, values)
-        return self._history(keys.dtype)
+        if self._awaiting_attention and _hook.is_active():
+            raise RuntimeError(
+                f"{type(self).__name__} returned placeholder keys/values but attend_packed was never called: this "
+                "model's attention bypasses mlx_lm's scaled_dot_product_attention, so its output is wrong. Build "
+                "the caches with veloxquant_mlx.make_prompt_cache(model, ...) (it detects such models) or pass "
+                "fetch_placeholders=False.")
+        keys, values = self._after_dependency(keys, values)
+        rows.append(keys, values)
+        if self.fetch_placeholders and _hook.is_active():
+            n = self._stored()
+            self._awaiting_attention = True
+            return (_hook.placeholder_history((rows.B, rows.heads, n, rows.dims[0]), keys.dtype),
+                    _hook.placeholder_history((rows.B, rows.heads, n, rows.dims[1]), values.dtype))
+        self._awaiting_attention = False
+        return self._fetch(keys.dtype)
 
     def _check_codable(self, keys: mx.array, values: mx.array) -> None:
         """Refuse an update that would code a non-finite token with a layout coding keys (or values) per channel
         over blocks of tokens (`check_codable`: ValueError naming the argument; the cache is unchanged). Exact
         tokens (sink, tail) keep one to itself, as mlx_lm's KVCache; per-token layouts code it as such. One host
         sync per update that codes a block, none otherwise."""
-        T = keys.shape[2]
-        n_sink = min(max(self.sink - self.sink_store.length, 0), T)
-        n_code = self.tail.length + T - n_sink - self.recent - self.trim_headroom  # as `_append_to_tail`
+        r, o, T = self.rows, self.options, keys.shape[2]
+        n_sink = min(max(o.sink - r.sink_n[0], 0), T)
+        n_code = r.tail_n[0] + T - n_sink - o.recent - o.trim_headroom
         if n_code <= 0:  # (the cheap exits first: this runs for every layer at every decode step)
             return
-        layout = codec_layout(self.codec)
+        layout = codec_layout(o.codec)
         if not (layout.keys.BLOCKED or layout.values.BLOCKED):
             return
-        block = self._block if self.k_codec is not None else \
-            layout.keys.from_options(self.options, "keys", keys.shape[-1]).token_block
+        block = r.block if r.base is not None else layout.keys.from_options(o, "keys", keys.shape[-1]).token_block
         n_code = n_code // block * block
+        if not n_code:
+            return
         sides = {n: x for n, x, cls in (("keys", keys, layout.keys), ("values", values, layout.values)) if cls.BLOCKED}
-        if n_code:  # the oldest tail tokens, then the new ones
-            if self._dependency is not None:  # (mlx_lm's pipeline: the check, too, waits for the pending send)
-                sides = dict(zip(sides, mx.depends(list(sides.values()), [self._dependency])))
-            old = min(n_code, self.tail.length)
-            tail = self.tail.view(0, old) if old else {}
-            parts = {n: ([tail[n[0]]] if old else []) + [x[:, :, n_sink: n_sink + n_code - old]]
-                     for n, x in sides.items()}  # (the tail's arrays: "k", "v")
-            # (a sink still filling means no codes nor tail yet: the coded tokens follow the new sink ones)
-            check_codable(parts, self.sink_store.length + n_sink + self.n_coded, self.codec, block)
+        if self._dependency is not None:  # (mlx_lm's pipeline: the check, too, waits for the pending send)
+            sides = dict(zip(sides, mx.depends(list(sides.values()), [self._dependency])))
+        old = min(n_code, r.tail_n[0])
+        tail = {n: a[:, :, r.tail.length - r.tail_n[0]:][:, :, :old] for n, a in r.tail.view().items()} if old else {}
+        parts = {n: ([tail[n[0]]] if old else []) + [x[:, :, n_sink: n_sink + n_code - old]] for n, x in sides.items()}
+        # (a sink still filling means no codes nor tail yet: the coded tokens follow the new sink ones)
+        check_codable(parts, r.sink_n[0] + n_sink + self.n_coded, o.codec, block)
 
-    def _history(self, dtype):
-        if self.fetch_placeholders and _hook.is_active():
-            B, H = self._heads()
-            n = self._count
-            self._awaiting_attention = True
-            return (_hook.placeholder_history((B, H, n, self.dims[0]), dtype),
-                    _hook.placeholder_history((B, H, n, self.dims[1]), dtype))
-        self._awaiting_attention = False
-        return self._fetch(dtype)
-
-    def _heads(self):
-        store = next(s for s in (self.v_codes, self.sink_store, self.tail) if s is not None and s.buffers)
-        return tuple(next(iter(store.buffers.values())).shape[:2])
+    def attention_parts(self) -> List[Any]:
+        """The stored history as attention parts in temporal order ``[sink | codes | tail]`` (several sequences:
+        folded ``(1, B*H, ...)``). Tail tokens older than the exact window read as they will once coded."""
+        return self.rows.row_parts(0) if self.rows.B == 1 else self.rows.attention_parts(lockstep=True)
 
     def attend_packed(self, queries: mx.array, scale: float, mask, sinks: Optional[mx.array] = None) -> mx.array:
         """SDPA of ``queries`` ``(B, Hq, L, d)`` over everything stored, from the codes -> ``(B, Hq, L, dv)``.
@@ -197,103 +221,23 @@ class TurboQuantPackedCache(PipelineDependency, _BaseCache):
         if self.empty():
             raise ValueError("attend_packed needs a cache holding tokens (call update_and_fetch first)")
         self._awaiting_attention = False
-        return packed_attention(queries, self.attention_parts(), scale, mask, sinks=sinks)
-
-    def attention_parts(self) -> List[Any]:
-        """The stored history as attention parts in temporal order: ``[sink | codes | tail]``.
-
-        Tail tokens older than the exact window read as they will once coded (a round trip of a few tokens).
-        """
-        parts: List[Any] = []
-        if self.sink_store.length:
-            s = self.sink_store.view()
-            parts.append(ExactPart(s["k"], s["v"]))
-        if self.n_coded:
-            parts.append(CodedPart(self.k_codec, self.k_codes.view(), self.v_codec, self.v_codes.view()))
-        if self.tail.length:
-            n_old = self._exact_tail_from
-            if n_old:
-                old = self.tail.view(0, n_old)
-                parts.append(CodedPart(self.k_codec, self.k_codec.encode(old["k"]),
-                                       self.v_codec, self.v_codec.encode(old["v"])))
-            t = self.tail.view(n_old)
-            parts.append(ExactPart(t["k"], t["v"]))
-        return parts
-
-    @property
-    def _exact_tail_from(self) -> int:
-        """Index of the first tail token read exactly (older ones read as coded tokens would)."""
-        if self._block > 1:
-            return 0  # block codecs: the whole tail is exact until its blocks are coded
-        return max(self.tail.length - self.recent, 0)
-
-    def _append(self, keys: mx.array, values: mx.array) -> None:
-        if self._awaiting_attention and _hook.is_active():
-            raise RuntimeError(
-                f"{type(self).__name__} returned placeholder keys/values but attend_packed was never called: this "
-                "model's attention bypasses mlx_lm's scaled_dot_product_attention, so its output is wrong. Build "
-                "the caches with veloxquant_mlx.make_prompt_cache(model, ...) (it detects such models) or pass "
-                "fetch_placeholders=False.")
-        _check_pair(keys, values, *(self.dims or (self.options.head_dim, None)))
-        keys, values = self._after_dependency(keys, values)
-        if self.dims is None:
-            self._setup(keys.shape[-1], values.shape[-1])
-        elif tuple(keys.shape[:2]) != self._heads():
-            raise ValueError(f"keys have (B, H) = {tuple(keys.shape[:2])}, but this cache holds {self._heads()}")
-        T = keys.shape[2]
-        n_sink = min(max(self.sink - self.sink_store.length, 0), T)
-        if n_sink:
-            self.sink_store.append({"k": keys[:, :, :n_sink], "v": values[:, :, :n_sink]})
-        if T > n_sink:
-            k_rest, v_rest = keys[:, :, n_sink:], values[:, :, n_sink:]
-            if self._block == 1 and self.recent == 0:
-                self._code(k_rest, v_rest)
-            else:
-                self._append_to_tail(k_rest, v_rest)
-        self.offset += T
-
-    def _append_to_tail(self, k: mx.array, v: mx.array) -> None:
-        """New tokens wait exact in the tail; the oldest, beyond the exact window and the trim headroom, are coded
-        (in whole blocks for block codecs) and leave it."""
-        self.tail.append({"k": k, "v": v})
-        blk = self._block
-        n_code = self.tail.length - self.recent - self.trim_headroom
-        if blk > 1:
-            n_code = n_code // blk * blk
-        if not self._fitted and (n_code > 0 or (blk == 1 and self.tail.length > self.recent)):
-            self._fit(self.tail.view())  # every exact non-sink token held: more statistics, same cost
-        if n_code > 0:
-            old = self.tail.view(0, n_code)
-            self._code(old["k"], old["v"])
-            self.tail.delete(0, n_code)
-
-    @property
-    def _fitted(self) -> bool:
-        return self.k_codec.fitted and self.v_codec.fitted
-
-    def _fit(self, exact: Dict[str, mx.array]) -> None:
-        self.k_codec.fit(exact["k"])
-        self.v_codec.fit(exact["v"])
-
-    def _code(self, k: mx.array, v: mx.array) -> None:
-        if not self._fitted:
-            self._fit({"k": k, "v": v})
-        self.k_codes.append(self.k_codec.encode(k))
-        self.v_codes.append(self.v_codec.encode(v))
+        if not isinstance(queries, mx.array) or queries.ndim != 4 or queries.shape[0] == 1 or \
+                queries.shape[0] != self.rows.B:  # (bad queries: packed_attention names them)
+            return packed_attention(queries, self.attention_parts(), scale, mask, sinks=sinks)
+        B, Hq, L, d = queries.shape
+        if False:  # (a batch mismatch: packed_attention names it)
+            return packed_attention(queries, self.attention_parts(), scale, mask, sinks=sinks)
+        if isinstance(mask, mx.array):  # sequences in lockstep: fold them into the heads
+            mask = mx.broadcast_to(mask, (B, Hq) + mask.shape[-2:]).reshape(1, B * Hq, *mask.shape[-2:])
+        out = packed_attention(queries.reshape(1, B * Hq, L, d), self.attention_parts(), scale, mask,
+                               sinks=None if sinks is None else mx.tile(sinks.reshape(-1), (B,)))
+        return out.reshape(B, Hq, L, out.shape[-1])
 
     def _fetch(self, dtype):
         """The whole history decoded, ``(B, H, n, d)`` in ``dtype`` (the path outside attention on codes)."""
-        ks, vs = [], []
-        for part in self.attention_parts():
-            if isinstance(part, ExactPart):
-                ks.append(part.keys.astype(dtype))
-                vs.append(part.values.astype(dtype))
-            else:
-                ks.append(part.k_codec.decode(part.k_arrays, dtype))
-                vs.append(part.v_codec.decode(part.v_arrays, dtype))
-        if len(ks) == 1:
-            return ks[0], vs[0]
-        return mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2)
+        k, v = _decode(self.attention_parts(), dtype)
+        B, H = self.rows.B, self.rows.heads
+        return (k, v) if B == 1 else (k.reshape(B, H, *k.shape[2:]), v.reshape(B, H, *v.shape[2:]))
 
     def size(self) -> int:
         return self.offset
@@ -307,36 +251,9 @@ class TurboQuantPackedCache(PipelineDependency, _BaseCache):
     def trim(self, n: int) -> int:
         """Drop the ``n`` newest tokens (tail first, then codes, then sink); returns how many were dropped."""
         n = min(check_int("n", n, 0), self.offset)
-        left = n - self.tail.trim(n)
-        if left and self.n_coded and self._block > 1:
-            left = self._trim_blocks(left)
-        elif left and self.n_coded:
-            dropped = min(left, self.n_coded)
-            self.k_codes.trim(dropped)
-            left -= self.v_codes.trim(dropped)
-        left -= self.sink_store.trim(left)
-        self.offset -= n
+        if n:
+            self.rows = _trim_rows(self.rows, [n] * self.rows.B)
         return n
-
-    def _trim_blocks(self, n: int) -> int:
-        """Drop the ``n`` newest coded tokens of a block codec (the tail is empty); returns what is left.
-
-        Whole blocks are cut; the surviving tokens of a cut block return to the tail as their decoded values
-        (they are coded again, with the same rotation, when the block refills).
-        """
-        blk, length = self._block, self.n_coded
-        drop = min(n, length)
-        cut = (length - drop) // blk * blk
-        survivors = length - drop - cut
-        if survivors:
-            dtype = next(iter(self.tail.buffers.values())).dtype if self.tail.buffers else mx.float32
-            k = self.k_codec.decode(self.k_codes.view(cut, cut + blk), dtype)
-            v = self.v_codec.decode(self.v_codes.view(cut, cut + blk), dtype)
-        self.k_codes.trim(length - cut)
-        self.v_codes.trim(length - cut)
-        if survivors:
-            self.tail.append({"k": k[:, :, :survivors], "v": v[:, :, :survivors]})
-        return n - drop
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
         return create_attention_mask(N, offset=self.offset, return_array=return_array, window_size=window_size)
@@ -344,84 +261,41 @@ class TurboQuantPackedCache(PipelineDependency, _BaseCache):
     @classmethod
     def merge(cls, caches):
         """mlx_lm's batching: per-sequence caches -> one `TurboQuantBatchPackedCache` (every sequence stays packed)."""
-        from veloxquant_mlx.cache.batch_packed_cache import TurboQuantBatchPackedCache
-
         return TurboQuantBatchPackedCache.merge(caches)
 
-    # -- bytes ------------------------------------------------------------------------------------
-    def _stores(self):
-        return [s for s in (self.sink_store, self.k_codes, self.v_codes, self.tail) if s is not None]
-
-    def _fitted_arrays(self) -> Dict[str, mx.array]:
-        out = {}
-        for prefix, codec in (("kfit_", self.k_codec), ("vfit_", self.v_codec)):
-            if codec is not None:
-                out.update({prefix + n: a for n, a in codec.fitted_arrays().items()})
-        return out
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of every array this cache holds (codes, exact windows, fitted parameters, spare step capacity)."""
-        return sum(s.nbytes for s in self._stores()) + sum(a.nbytes for a in self._fitted_arrays().values())
-
+    # -- bytes and state --------------------------------------------------------------------------
     @property
     def live_nbytes(self) -> int:
         """Like `nbytes` but without the spare capacity of the step-grown buffers (= a saved file's arrays)."""
-        return sum(s.live_nbytes for s in self._stores()) + sum(a.nbytes for a in self._fitted_arrays().values())
+        return sum(a.nbytes for n, a in self.state.items() if n != "meta")
 
     def bits_per_coordinate(self) -> float:
         """Stored bits per cached coordinate, averaged over K and V, every stored byte counted."""
         if self.dims is None or self.offset == 0:
             return 0.0
-        B, H = self._heads()
-        return 8.0 * self.live_nbytes / (B * H * self._count * (self.dims[0] + self.dims[1]))
+        return 8.0 * self.live_nbytes / (self.rows.B * self.rows.heads * self._stored() * sum(self.dims))
 
-    # -- copying and state ------------------------------------------------------------------------
-    def __deepcopy__(self, memo):
-        new = copy.copy(self)
-        new.sink_store, new.tail = self.sink_store.copy(), self.tail.copy()
-        if self.k_codec is not None:
-            # Codecs share their (stateless) quantizers; a shallow copy keeps a later fit() from leaking.
-            new.k_codec, new.v_codec = copy.copy(self.k_codec), copy.copy(self.v_codec)
-            new.k_codes, new.v_codes = self.k_codes.copy(), self.v_codes.copy()
-        return new
-
-    def _store_prefixes(self):
-        # Format-1 names: per-token codes as "c_k_*" / "c_v_*", transposed block keys as "kc_*".
-        k_prefix = "kc_" if self._block > 1 else "c_k_"
-        return {"s_": self.sink_store, "t_": self.tail, k_prefix: self.k_codes, "c_v_": self.v_codes}
-
-    def _cache_meta(self) -> Dict[str, Any]:
-        return {"fetch_placeholders": self.fetch_placeholders}
-
-    @property
-    def state(self) -> Dict[str, Any]:
-        meta = {
-            "format": FORMAT, "class": type(self).__name__, "options": self.options.to_dict(),
-            "cache": self._cache_meta(), "offset": self.offset, "dims": list(self.dims) if self.dims else None,
-            "stores": {"codes": self.n_coded, "sink": self.sink_store.length, "tail": self.tail.length},
-        }
+    def _state(self) -> Dict[str, Any]:
+        r = self.rows
+        meta = {"format": FORMAT, "class": type(self).__name__, "options": self.options.to_dict(),
+                "cache": self._cache_meta(), "offset": self.offset, "dims": list(r.dims) if r.dims else None,
+                "stores": {"codes": self.n_coded, "sink": r.sink_n[0], "tail": r.tail_n[0]}}
         out: Dict[str, Any] = {"meta": json.dumps(meta, sort_keys=True)}
-        if self.dims is not None:  # before the first update nothing is stored
-            for prefix, store in self._store_prefixes().items():
-                out.update({prefix + n: a for n, a in store.live_arrays().items()})
-        out.update(self._fitted_arrays())
+        per_row = [row_arrays(r, i) for i in range(r.B)]
+        arrays = per_row[0] if r.B == 1 else {  # sequences in lockstep: their arrays share every shape
+            name: {f: mx.concatenate([p[name][f] for p in per_row], axis=0) for f in per_row[0][name]}
+            for name in per_row[0]}
+        for prefix, name in zip(_state.single_prefixes(r.block), ("sink", "tail", "k_codes", "v_codes", "k_fit", "v_fit")):
+            out.update({prefix + f: a for f, a in arrays[name].items()})
         return out
-
-    @state.setter
-    def state(self, value) -> None:
-        restored = type(self).from_state(value)
-        self.__dict__.update(restored.__dict__)
 
     @classmethod
     def from_state(cls, state, meta_state=None):
         """Rebuild from ``state`` alone (what mlx_lm's ``load_prompt_cache`` passes); refuses, naming the array,
         a state whose arrays do not match its options, dims and token counts."""
-        from veloxquant_mlx.cache._state_check import read_meta, restore_arrays
-
-        options, cache_kwargs, meta = read_meta(cls, state)
-        cache = cls(options, **cache_kwargs)
-        restore_arrays(cache, state, meta)
+        options, kwargs, meta = _state.read_meta(cls, state)
+        cache = cls(options, **kwargs)
+        cache.rows = _state.restore_rows(cls, state, meta, options, cache.window)
         return cache
 
 
@@ -429,61 +303,23 @@ class TurboQuantRotatingPackedCache(TurboQuantPackedCache):
     """Compressed counterpart of mlx_lm's `RotatingKVCache` (same ``max_size`` / ``keep`` semantics).
 
     Unlike mlx_lm's ring buffer, tokens stay in temporal order: the ``keep`` first tokens are never evicted and the
-    oldest of the others are deleted when the window is full. The token sets, and hence the attention results,
+    oldest of the others are dropped when the window is full. The token sets, and hence the attention results,
     match `RotatingKVCache`: a multi-token update keeps ``max_size - 1`` old tokens and appends all new ones; a
     one-token update keeps ``max_size``. The exact ``sink`` must lie within ``keep`` (never evicted).
     """
 
     def __init__(self, config=None, max_size: int = None, keep: int = 0, **options):
+        opts = resolve_options(config, **{k: v for k, v in options.items() if k != "fetch_placeholders"})
+        self.window = _check_window(opts.layer_options(), max_size, keep)
         super().__init__(config, **options)
-        if self._block_layout():
-            raise ValueError(
-                f"codec={self.codec!r} codes keys in blocks of tokens, which a sliding window cannot evict one at a "
-                "time; use codec='affine' for RotatingKVCache layers (make_prompt_cache does so itself)")
-        self.max_size = check_int("max_size", max_size, 1)
-        self.keep = check_int("keep", keep, 0)
-        if self.keep > self.max_size:
-            raise ValueError(f"keep must be <= max_size ({self.max_size}), got {self.keep}")
-        if self.sink > self.keep:
-            raise ValueError(f"sink must be <= keep ({self.keep}) in a rotating cache (sink tokens are never "
-                             f"evicted), got {self.sink}")
+
+    max_size = property(lambda self: self.window[0])
+    keep = property(lambda self: self.window[1])
 
     @classmethod
     def merge(cls, caches):
         """mlx_lm's batching: per-sequence windows -> one `TurboQuantBatchRotatingPackedCache` (each evicts its own)."""
-        from veloxquant_mlx.cache.batch_packed_cache import TurboQuantBatchRotatingPackedCache
-
         return TurboQuantBatchRotatingPackedCache.merge(caches)
-
-    def _block_layout(self) -> bool:
-        return codec_layout(self.codec).keys.BLOCKED
-
-    def _cache_meta(self) -> Dict[str, Any]:
-        return {**super()._cache_meta(), "max_size": self.max_size, "keep": self.keep}
-
-    def _evict_to(self, limit: int) -> None:
-        """Delete the oldest non-``keep`` tokens until at most ``limit`` remain."""
-        n = self._count - limit
-        if n <= 0:
-            return
-        start, stop = self.keep, self.keep + n  # temporal positions to drop
-        base = self.sink_store.length  # sink <= keep: the sink is never touched
-        for stores, length in (((self.k_codes, self.v_codes), self.n_coded), ((self.tail,), self.tail.length)):
-            lo, hi = min(max(start - base, 0), length), min(max(stop - base, 0), length)
-            for store in stores:
-                store.delete(lo, hi)
-            base += length
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array):
-        # Validate before evicting, so bad input leaves the cache unchanged.
-        _check_pair(keys, values, *(self.dims or (self.options.head_dim, None)))
-        if keys.shape[2] > 1:
-            self._evict_to(self.max_size - 1)
-            self._append(keys, values)
-        else:
-            self._append(keys, values)
-            self._evict_to(self.max_size)
-        return self._history(keys.dtype)
 
     def size(self) -> int:
         return min(self.offset, self.max_size)
@@ -505,3 +341,314 @@ class TurboQuantRotatingPackedCache(TurboQuantPackedCache):
             size = self.offset + 1 if self.offset < self.max_size else self.max_size
             return mx.arange(size) >= (size - window_size)
         return None
+
+
+def _trim_rows(rows: Rows, counts: List[int]) -> Rows:
+    """Each row ``i`` without its ``counts[i]`` newest tokens (a batch trims its rows one at a time)."""
+    if rows.B == 1:
+        rows.trim(min(counts[0], rows.lengths[0]))
+        return rows
+    parts = []
+    for i, n in enumerate(counts):
+        one = take_rows(rows, [i])
+        one.trim(min(n, one.lengths[0]))
+        parts.append(one)
+    return concat_rows(parts)
+
+
+_last_masks = (None, None)  # (key, folded part masks): every layer of one decode step has the same rows
+
+
+def _folded_part_masks(rows: Rows):
+    """`Rows.part_masks` folded for one query per row, ``(1, B*H, 1, n)`` per part (or None), built once per
+    decode step: the layers after the first find them here (one entry, replaced atomically)."""
+    global _last_masks
+    key = (rows.heads, rows.B, rows.pin, rows.options.recent, rows.block, tuple(rows.sink_n), tuple(rows.gone),
+           tuple(rows.coded), tuple(rows.tail_n), rows.part_sizes())
+    last_key, masks = _last_masks
+    if last_key != key:
+        masks = rows.part_masks()
+        if masks is not None:
+            B, H = rows.B, rows.heads
+            masks = [None if m is None else mx.broadcast_to(m, (B, H, 1, m.shape[-1])).reshape(1, B * H, 1, -1)
+                     for m in masks]
+        _last_masks = (key, masks)
+    return masks
+
+
+_ONE_TOKEN = (1, None, None, None)  # `_chunk` after a decode step: only its length is read
+
+
+class TurboQuantBatchPackedCache(_PackedFace):
+    """A batch of `TurboQuantPackedCache` s (made by ``TurboQuantPackedCache.merge``); see the module docstring.
+
+    ``offset`` is the ``(B,)`` int32 array of each sequence's token count (RoPE positions, as mlx_lm's
+    ``BatchKVCache``); ``left_padding`` the pad slots before each row's tail. Attention runs on codes only: a
+    decode step is one call over the folded batch with a mask of each row's valid slots; a prompt chunk is
+    attended one sequence at a time, its real queries against its own tokens, exactly as alone.
+    """
+
+    _single = TurboQuantPackedCache
+
+    def __init__(self, options, batch_size: int, fetch_placeholders: bool = True, window=None):
+        if not fetch_placeholders:
+            raise ValueError("batched packed caches attend only from their codes: fetch_placeholders must be True "
+                             "(this model's attention bypasses mlx_lm's scaled_dot_product_attention)")
+        self.options, self.fetch_placeholders = options, True
+        self.window = window
+        self.rows = Rows(options, batch_size, window)
+        self._set_offset()
+        self._pending: Optional[List[int]] = None  # real tokens still to come per row (prepare(lengths=...))
+        self._lead: Optional[List[int]] = None  # pad tokens before each row's first one (prepare(left_padding=))
+        self._chunk = None  # (T, first real position, real tokens, tokens before) per row, of the last update
+        self._dependency = None  # mlx_lm's pipeline writes `keys` (PipelineDependency)
+
+    B = property(lambda self: self.rows.B)
+    lengths = property(lambda self: self.rows.lengths)
+
+    def _set_offset(self) -> None:
+        self.offset = mx.array(self.rows.lengths, dtype=mx.int32)  # what RoPE reads, once per update (not per layer)
+
+    @property
+    def left_padding(self) -> mx.array:
+        r = self.rows
+        return mx.array([r.tail.length - t for t in r.tail_n], dtype=mx.int32)
+
+    @classmethod
+    def merge(cls, caches) -> "TurboQuantBatchPackedCache":
+        """One batch cache from per-sequence caches (empty, filled, or restored from a file)."""
+        caches, single = list(caches), cls._single
+        if not caches:
+            raise ValueError(f"caches must hold at least one {single.__name__} to merge")
+        for c in caches:
+            if type(c) is not single:
+                raise TypeError(f"caches must all be {single.__name__}, got {type(c).__name__}")
+            if c.options != caches[0].options or c._cache_meta() != caches[0]._cache_meta():
+                raise ValueError("caches to merge must share their options (one configuration per batch)")
+        new = cls(caches[0].options, 0, caches[0].fetch_placeholders, window=caches[0].window)
+        new.rows = concat_rows([c.rows for c in caches])
+        new._set_offset()
+        return new
+
+    # -- mlx_lm's batch protocol ----------------------------------------------------------------------
+    def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
+        """Before a prompt chunk: ``lengths`` real tokens per row (the rest right padding), or ``left_padding``
+        pad tokens first (an empty cache only, as mlx_lm's ``BatchKVCache``)."""
+        if left_padding is not None:
+            if any(self.lengths):
+                raise ValueError("left_padding can only be added to an empty batch cache")
+            self._lead = [int(p) for p in left_padding]
+            self.offset = mx.array([-p for p in self._lead], dtype=mx.int32)  # RoPE: a row's first token is at 0
+        if lengths is not None:
+            self._pending = [int(n) for n in lengths]
+
+    def finalize(self) -> None:
+        # Pad tokens were never stored as tokens (update_and_fetch placed each row's real ones): nothing to roll.
+        self._pending = self._lead = None
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """Store ``keys``/``values`` ``(B, H, T, d)`` (pad tokens per `prepare` skipped); returns placeholders of
+        the stored history's shape (attention runs in `attend_packed`)."""
+        r = self.rows
+        dims, B, H = r.dims, r.B, r.heads
+        if (type(keys) is mx.array and type(values) is mx.array and dims is not None and B  # (no rows: checked below)
+                and keys.shape == (B, H, 1, dims[0]) and values.shape == (B, H, 1, dims[1])
+                and keys.dtype in FLOAT_DTYPES and values.dtype in FLOAT_DTYPES
+                and self._dependency is None and self._pending is None and self._lead is None and _hook.is_active()):
+            # A decode step (~30 per token): the checks below in one comparison of shapes.
+            r.append(keys, values, None, None if self.window is None else [1] * B)
+            self._set_offset()
+            self._chunk = _ONE_TOKEN
+            return self._placeholders(keys.dtype, values.dtype)
+        if not _hook.is_active():
+            raise ValueError(f"{type(self).__name__} attends only from its codes: batch (batch_generate, "
+                             "BatchGenerator, mlx_lm.server) on a model after veloxquant_mlx.enable(model), or inside "
+                             "veloxquant_mlx.use_packed_attention()")
+        _check_pair(keys, values, *(dims or (self.options.head_dim, None)))
+        if keys.shape[0] != B:
+            raise ValueError(f"keys have batch size {keys.shape[0]}, but this cache holds {B} sequences")
+        if dims is not None and keys.shape[1] != H:
+            raise ValueError(f"keys have {keys.shape[1]} KV heads, but this cache holds {H}")
+        keys, values = self._after_dependency(keys, values)
+        T = keys.shape[2]
+        lead = self._lead or [0] * B
+        real = [max(min(T - a, T if self._pending is None else self._pending[i]), 0) for i, a in enumerate(lead)]
+        if self._pending is not None:
+            self._pending = [p - x for p, x in zip(self._pending, real)]
+        self._lead = None  # left padding precedes the first chunk only
+        r.append(keys, values, lead, real)
+        self._chunk = (T, lead, real, [n - x for n, x in zip(r.lengths, real)])
+        self._set_offset()
+        return self._placeholders(keys.dtype, values.dtype)
+
+    def _placeholders(self, k_dtype, v_dtype):
+        r = self.rows
+        N = sum(r.part_sizes())
+        return (_hook.placeholder_history((r.B, r.heads, N, r.dims[0]), k_dtype),
+                _hook.placeholder_history((r.B, r.heads, N, r.dims[1]), v_dtype))
+
+    # -- attention ------------------------------------------------------------------------------------
+    def attention_parts(self) -> List[Any]:
+        return self.rows.attention_parts()
+
+    def attend_packed(self, queries: mx.array, scale: float, mask, sinks: Optional[mx.array] = None) -> mx.array:
+        """SDPA of ``queries`` ``(B, Hq, L, d)`` over every row's stored tokens, from the codes ->
+        ``(B, Hq, L, dv)``: the last update's L tokens (causal) or one query that sees everything. ``mask``
+        (mlx_lm's, from `make_mask`) is replaced by each row's own: pad slots and pad queries are never attended."""
+        r = self.rows
+        if r.dims is None or not any(r.lengths):
+            raise ValueError("attend_packed needs a cache holding tokens (call update_and_fetch first)")
+        B, Hq, L, d = queries.shape
+        if B != r.B:
+            raise ValueError(f"queries have batch size {B}, but this cache holds {r.B} sequences")
+        if L > 1:
+            return self._attend_chunk(queries, scale, sinks)
+        if B == 1:  # one sequence: nothing to fold, and no pad slot unless its tail has some or it evicted
+            return attend_one_query(queries, r.row_parts(0), scale, sinks)
+        if sinks is not None:
+            sinks = mx.tile(sinks.reshape(-1), (B,))
+        out = attend_one_query(queries.reshape(1, B * Hq, 1, d), r.attention_parts(), scale, sinks,
+                               _folded_part_masks(r))
+        return out.reshape(B, Hq, 1, out.shape[-1])
+
+    def _attend_chunk(self, queries: mx.array, scale: float, sinks) -> mx.array:
+        """A prompt chunk, one sequence at a time (prefill, not the decode step): each row's real queries against
+        its own parts, causal, exactly as alone; pad queries get zeros."""
+        if self._chunk is None:
+            raise ValueError(f"queries of L={queries.shape[2]} > 1 tokens must be the chunk update_and_fetch just "
+                             "stored, but this batch stored none since it was built, filtered or extended")
+        T, lead, real, before = self._chunk
+        if queries.shape[2] != T:
+            raise ValueError(f"queries must be the last update's {T} tokens or a single one, got L={queries.shape[2]}")
+        B, Hq, _, _ = queries.shape
+        dv, outs = self.rows.dims[1], []
+        for i in range(B):
+            a, n = lead[i], real[i]
+            o = None
+            if n:
+                o = packed_attention(queries[i:i + 1, :, a:a + n], self.rows.row_parts(i), scale,
+                                     self._chunk_mask(n, before[i]), sinks=sinks)
+            pieces = [x for x in (mx.zeros((1, Hq, a, dv), queries.dtype) if a else None, o,
+                                  mx.zeros((1, Hq, T - a - n, dv), queries.dtype) if T - a - n else None) if x is not None]
+            outs.append(pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2))
+        return mx.concatenate(outs, axis=0)
+
+    def _chunk_mask(self, n: int, before: int):
+        """The mask of a row's ``n`` real queries after ``before`` tokens, as its cache alone gets it from mlx_lm."""
+        if self.window is not None:
+            offset = min(self.window[0] - 1, before)
+            if n > 1 and offset + n > self.window[0]:
+                return create_causal_mask(n, offset, window_size=self.window[0])
+        return "causal" if n > 1 else None
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None, **kwargs):
+        # attend_packed builds each row's mask itself; mlx_lm gets the mask it expects for the longest row.
+        if window_size not in (None, *(self.window or ())[:1]):
+            raise ValueError(f"window_size must be None{' or max_size' if self.window else ''} for "
+                             f"{type(self).__name__}, got {window_size}")
+        if return_array:
+            return create_causal_mask(N, max(self.lengths, default=0))
+        return None if N == 1 else "causal"
+
+    # -- leaving, joining, handing back, trimming ------------------------------------------------------
+    def filter(self, batch_indices) -> None:
+        """Keep only the sequences ``batch_indices`` (in that order)."""
+        idx = [int(i) for i in (batch_indices.tolist() if isinstance(batch_indices, mx.array) else batch_indices)]
+        if any(not 0 <= i < self.B for i in idx):
+            raise ValueError(f"batch_indices must lie in [0, {self.B}), got {idx}")
+        self.rows = take_rows(self.rows, idx)
+        self._set_offset()
+        self._chunk = None
+
+    def extract(self, idx: int):
+        """Sequence ``idx`` as a per-sequence cache that continues exactly as it would in the batch."""
+        if not 0 <= int(idx) < self.B:
+            raise ValueError(f"idx must lie in [0, {self.B}), got {idx}")
+        cache = self._single(self.options, fetch_placeholders=self.fetch_placeholders,
+                             **({"max_size": self.window[0], "keep": self.window[1]} if self.window else {}))
+        cache.rows = take_rows(self.rows, [int(idx)])
+        return cache
+
+    def extend(self, other: "TurboQuantBatchPackedCache") -> None:
+        """Append ``other``'s sequences (in place)."""
+        if type(other) is not type(self) or other.options != self.options or other.window != self.window:
+            raise ValueError(f"extend needs another {type(self).__name__} with the same options")
+        if any(c._pending is not None or c._lead is not None for c in (self, other)):
+            raise ValueError("extend needs both batches between prompts (after finalize)")
+        self.rows = concat_rows([self.rows, other.rows]) if other.B else self.rows
+        self._set_offset()
+        self._chunk = None
+
+    def is_trimmable(self) -> bool:
+        return self.window is None or max(self.lengths, default=0) < self.window[0]
+
+    def trim(self, n: int) -> int:
+        """Drop every row's ``n`` newest tokens (fewer where a row holds fewer); returns ``n``."""
+        n = min(check_int("n", n, 0), max(self.lengths, default=0))
+        if n:
+            self.rows = _trim_rows(self.rows, [n] * self.B)
+            self._set_offset()
+            self._chunk = None
+        return n
+
+    # -- sizes and state ------------------------------------------------------------------------------
+    def size(self) -> int:
+        return min(max(self.lengths, default=0), self.window[0] if self.window else 1 << 62)
+
+    def empty(self) -> bool:
+        return not any(self.lengths)
+
+    def _state(self) -> Dict[str, Any]:
+        """Every array held, as stored (no copies: mlx_lm evaluates this between steps), and a JSON ``meta`` with
+        the options and each row's token counts; `from_state` rebuilds the batch from it."""
+        r = self.rows
+        meta = {"format": BATCH_FORMAT, "class": type(self).__name__, "options": self.options.to_dict(),
+                "cache": self._cache_meta(), "dims": list(r.dims) if r.dims else None, "heads": r.heads,
+                "rows": {**{n: list(getattr(r, n)) for n in _state.BATCH_ROWS}, "start": list(r.gone),
+                         "fitted": list(r.fitted)},
+                "mid_prompt": self._pending is not None or self._lead is not None}
+        out: Dict[str, Any] = {"meta": json.dumps(meta, sort_keys=True)}
+        if r.dims is None:
+            return out
+        for prefix, arrays in (("s_", r.sink or {}), ("t_", r.tail.view() if r.tail.length else {}),
+                               ("ck_", r.k_codes.arrays), ("cv_", r.v_codes.arrays),
+                               ("kfit_", r.fitted_rows(0)), ("vfit_", r.fitted_rows(1))):
+            out.update({prefix + n: a for n, a in arrays.items()})
+        return out
+
+    @classmethod
+    def from_state(cls, state, meta_state=None):
+        """Rebuild a batch from its ``state``. Each row is read out as the per-sequence cache `extract` gives and
+        checked by that class's own `from_state` (so a batch believes no more than a sequence alone); the batch
+        then holds the arrays as saved: each row continues exactly as it would have. Refuses, naming the array,
+        what does not add up."""
+        options, kwargs, meta = _state.read_batch_meta(cls, state)
+        window = (kwargs.pop("max_size"), kwargs.pop("keep")) if "max_size" in kwargs else None
+        if window is not None:
+            window = _check_window(options, *window)
+        batch = cls(options, len(meta["rows"]["lengths"]), window=window, **kwargs)
+        batch.rows = _state.restore_batch_rows(cls, state, meta, batch.rows)
+        if batch.rows.dims is None or not batch.B:
+            batch._set_offset()
+            return batch
+        for i in range(batch.B):
+            try:
+                cls._single.from_state(batch.extract(i).state)
+            except ValueError as e:
+                raise ValueError(f"{cls.__name__} state: row {i}: {e}") from None
+        batch._set_offset()
+        return batch
+
+
+class TurboQuantBatchRotatingPackedCache(TurboQuantBatchPackedCache):
+    """A batch of `TurboQuantRotatingPackedCache` s (sliding-window layers): every row evicts its own oldest
+    tokens, as alone (its ``keep`` first ones are never evicted)."""
+
+    _single = TurboQuantRotatingPackedCache
+
+    def __init__(self, options, batch_size: int, max_size: int = None, keep: int = 0, fetch_placeholders: bool = True,
+                 window=None):
+        super().__init__(options, batch_size, fetch_placeholders, window or _check_window(options, max_size, keep))
+
+    max_size = property(lambda self: self.window[0])
+    keep = property(lambda self: self.window[1])

@@ -7,9 +7,9 @@ JSON string), so a file is self-describing; the seed page's `TurboQuantRVQKVCach
 (`META_STATE_KEY`) and `load_prompt_cache` passes it back.
 
 mlx_lm's ``load_prompt_cache`` looks class names up in its own module's globals, where ours are not.
-`mlx_lm_cache_classes()` is an explicit, reversible context in which they are: inside the ``with``
-block, ``mlx_lm.models.cache.load_prompt_cache`` (and ``CacheList`` restores) can rebuild our caches;
-on exit the module is as it was. Nothing is patched at import time.
+`mlx_lm_cache_classes()` (:mod:`veloxquant_mlx.integration`, importable from here too) is an explicit, reversible
+context in which they are: inside the ``with`` block, ``mlx_lm.models.cache.load_prompt_cache`` (and ``CacheList``
+restores) can rebuild our caches; on exit the module is as it was. Nothing is patched at import time.
 
 `save_prompt_cache` here writes through mlx_lm's writer, but to a temporary name in the target directory
 that is then renamed over ``file_name`` (a crash never leaves a half-written file in place of a good one);
@@ -22,7 +22,6 @@ the file (and the layer / array).
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import uuid
@@ -32,42 +31,14 @@ import mlx.core as mx
 from mlx.utils import tree_unflatten
 from mlx_lm.models import cache as mlx_cache
 
+from veloxquant_mlx._version import __version__
+from veloxquant_mlx.integration import CACHE_CLASSES, TurboQuantRVQKVCache, mlx_lm_cache_classes
+
 VERSION_KEY = "__veloxquant_mlx_version__"
 # Per layer, the meta_state of caches whose from_state needs one (the seed's TurboQuantRVQKVCache: its state is
 # only its four arrays) as a JSON list, None for the others: mlx_lm >= 0.32 writes state alone.
 META_STATE_KEY = "__veloxquant_meta_state__"
 SUFFIX = ".safetensors"
-
-
-def _our_classes():
-    from veloxquant_mlx.cache.batch_packed_cache import (TurboQuantBatchPackedCache,
-                                                         TurboQuantBatchRotatingPackedCache)
-    from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache, TurboQuantRotatingPackedCache
-    from veloxquant_mlx.cache.turboquant_rvq_cache import TurboQuantRVQKVCache
-
-    return (TurboQuantPackedCache, TurboQuantRotatingPackedCache, TurboQuantRVQKVCache, TurboQuantBatchPackedCache,
-            TurboQuantBatchRotatingPackedCache)
-
-
-@contextlib.contextmanager
-def mlx_lm_cache_classes():
-    """Make our cache classes visible to ``mlx_lm.models.cache`` by name, for the ``with`` block only."""
-    namespace = vars(mlx_cache)
-    added = []
-    for cls in _our_classes():
-        present = namespace.get(cls.__name__)
-        if present is None:
-            namespace[cls.__name__] = cls
-            added.append(cls.__name__)
-        elif present is not cls:
-            raise RuntimeError(
-                f"mlx_lm.models.cache already defines a different {cls.__name__}; refusing to shadow it"
-            )
-    try:
-        yield
-    finally:
-        for name in added:
-            namespace.pop(name, None)
 
 
 def _check_path(file_name, what: str) -> str:
@@ -85,8 +56,6 @@ def save_prompt_cache(file_name: str, cache: List[Any], metadata: Optional[Dict[
     ``file_name`` must end in ``.safetensors``. The file is written under a temporary name in the same
     directory and renamed over ``file_name`` only once complete.
     """
-    import veloxquant_mlx
-
     path = _check_path(file_name, "save_prompt_cache")
     if not path.endswith(SUFFIX):
         raise ValueError(f"save_prompt_cache: file_name must end in {SUFFIX!r} (the format mlx_lm reads), "
@@ -105,7 +74,7 @@ def save_prompt_cache(file_name: str, cache: List[Any], metadata: Optional[Dict[
     if os.path.isdir(path):
         raise IsADirectoryError(f"save_prompt_cache: {path!r} is a directory")
     meta = dict(metadata or {})
-    meta[VERSION_KEY] = veloxquant_mlx.__version__
+    meta[VERSION_KEY] = __version__
     meta[META_STATE_KEY] = json.dumps([_meta_state(c) for c in cache])
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}.tmp{SUFFIX}")
     try:
@@ -123,8 +92,6 @@ def save_prompt_cache(file_name: str, cache: List[Any], metadata: Optional[Dict[
 
 
 def _meta_state(cache):
-    from veloxquant_mlx.cache.turboquant_rvq_cache import TurboQuantRVQKVCache
-
     return list(cache.meta_state) if isinstance(cache, TurboQuantRVQKVCache) else None
 
 
@@ -146,7 +113,7 @@ def _read_meta_states(metadata: dict, n_layers: int, path: str) -> list:
 
 def _classes_by_name() -> dict:
     names = {n: c for n, c in vars(mlx_cache).items() if isinstance(c, type) and hasattr(c, "from_state")}
-    names.update({c.__name__: c for c in _our_classes()})
+    names.update({c.__name__: c for c in CACHE_CLASSES})
     return names
 
 

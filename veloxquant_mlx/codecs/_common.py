@@ -1,13 +1,19 @@
-"""Small pieces every codec file shares: per-token token-axis bookkeeping and the CPU crossover rule."""
+"""Small pieces every codec file shares: fitted-parameter plumbing (`FittedParams`), per-token token-axis
+bookkeeping and layout (`PerTokenLayout`), and the CPU crossover rule."""
 from __future__ import annotations
 
+import copy
 import threading
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
 
+from veloxquant_mlx.codecs.contract import CodeField
+from veloxquant_mlx.validate import check_heads
+
 TOKEN_AXIS = 2
+FittedSpec = Dict[str, Tuple[Tuple[int, ...], mx.Dtype]]  # name -> (shape, dtype) of a fit on `heads` heads
 
 
 def f32(x: mx.array) -> mx.array:
@@ -91,8 +97,86 @@ def clamp_all_to(dtype, *xs: mx.array) -> tuple:
         return _to_float16_fused(*xs)
 
 
-class PerTokenLayout:
-    """Mixin for layouts whose arrays all hold the token axis at 2 (``(B, H, n, ...)``)."""
+class FittedParams:
+    """Mixin: the contract's fitting members through one code path. A codec defines
+
+    - ``fitted_spec(heads) -> {name: (shape, dtype)}``: what a fit on ``heads`` heads gives (axis 0 = heads;
+      default ``{}``: it fits nothing);
+    - ``fitted_from(x) -> {name: array}``: the parameters of ``x`` ``(B, H, T, d)`` (pure: no state changes);
+
+    and reads its parameters with ``fitted_param(name)`` (None before a fit). A codec that keeps them in its own
+    attributes overrides ``_set_fitted(arrays)`` (validated arrays, ``{}`` = unfitted: rebind attributes, never
+    write into arrays another codec object may share, since `with_fitted` shallow-copies) and `fitted_arrays`.
+    """
+
+    _params: Dict[str, mx.array] = {}  # rebound by `_set_fitted`, never written into
+
+    def fitted_spec(self, heads: int) -> FittedSpec:
+        return {}
+
+    def fitted_from(self, x: mx.array) -> Dict[str, mx.array]:
+        check_heads("x", x, self.d)
+        return {}
+
+    def _set_fitted(self, arrays: Dict[str, mx.array]) -> None:
+        self._params = dict(arrays)
+
+    def fitted_param(self, name: str) -> Optional[mx.array]:
+        return self.fitted_arrays().get(name)
+
+    def fitted_arrays(self) -> Dict[str, mx.array]:
+        return dict(self._params)
+
+    @property
+    def fitted(self) -> bool:
+        return not self.fitted_spec(1) or bool(self.fitted_arrays())
+
+    def fit(self, x: mx.array) -> None:
+        self._set_fitted(self.fitted_from(x))
+
+    def check_fitted(self, arrays: Dict[str, mx.array]) -> Dict[str, mx.array]:
+        """``arrays`` (a copy) when they are `fitted_spec`'s names, shapes (any number of heads) and dtypes, else
+        ValueError naming the array. ``{}`` (unfitted) always passes."""
+        arrays = dict(arrays)
+        if not arrays:
+            return arrays
+        spec = self.fitted_spec(1)
+        unexpected, missing = sorted(set(arrays) - set(spec)), sorted(set(spec) - set(arrays))
+        if unexpected or missing:
+            fits = f"fits {sorted(spec)}" if spec else "has no fitted arrays"
+            raise ValueError(f"fitted arrays {sorted(arrays)} do not match this codec's: it {fits} (missing "
+                             f"{missing}, unexpected {unexpected})")
+        heads = None
+        for name, (shape, dtype) in spec.items():
+            a = arrays[name]
+            if not isinstance(a, mx.array):
+                raise ValueError(f"fitted array {name!r} must be an mx.array, got {type(a).__name__}")
+            heads = a.shape[0] if heads is None and a.ndim else heads
+            want = (heads,) + tuple(shape[1:])
+            if tuple(a.shape) != want or a.dtype != dtype:
+                raise ValueError(f"fitted array {name!r} has shape {tuple(a.shape)} {a.dtype}, expected "
+                                 f"(H, {', '.join(map(str, shape[1:]))}) {dtype} per head"
+                                 + (f" (H = {heads} from the other arrays)" if a.ndim and a.shape[0] != heads else ""))
+        return arrays
+
+    def load_fitted(self, arrays: Dict[str, mx.array]) -> None:
+        self._set_fitted(self.check_fitted(arrays))
+
+    def with_fitted(self, arrays: Dict[str, mx.array]):
+        new = copy.copy(self)
+        new.load_fitted(arrays)
+        return new
+
+    def blank_fitted(self, heads: int) -> Dict[str, mx.array]:
+        return {name: mx.zeros(shape, dtype) for name, (shape, dtype) in self.fitted_spec(heads).items()}
+
+
+class PerTokenLayout(FittedParams):
+    """Mixin for layouts whose arrays all hold the token axis at 2 (``(B, H, n, ...)``), one token per block.
+
+    A layout declares ``token_fields() -> {field: (shape after (B, H, n), dtype)}``; `code_layout` and
+    `check_codes` follow from it.
+    """
 
     token_block = 1
     BLOCKED = False  # codes single tokens: a cache may evict or trim any one
@@ -114,9 +198,16 @@ class PerTokenLayout:
 
         return TokenStore(step)
 
+    def token_fields(self) -> Dict[str, Tuple[Tuple[int, ...], mx.Dtype]]:
+        raise NotImplementedError(f"{type(self).__name__} must declare token_fields()")
+
+    def code_layout(self, heads: int) -> Dict[str, CodeField]:
+        return {f: CodeField(TOKEN_AXIS, 1, (1, heads, 1) + tuple(trailing), dtype)
+                for f, (trailing, dtype) in self.token_fields().items()}
+
     def check_codes(self, codes: Dict[str, mx.array], name: str) -> None:
         """The fields `encode` writes, sharing (B, H, n) (what a restore must find)."""
-        expected = self.code_fields()
+        expected = self.token_fields()
         missing = sorted(set(expected) - set(codes))
         extra = sorted(set(codes) - set(expected))
         if missing or extra:
@@ -130,11 +221,3 @@ class PerTokenLayout:
             if a.ndim != 3 + len(trailing) or tuple(a.shape[3:]) != trailing or a.dtype != dtype:
                 want = ", ".join(["B", "H", "n"] + [str(t) for t in trailing])
                 raise ValueError(f"{name}: array {f!r} has shape {tuple(a.shape)} {a.dtype}, expected ({want}) {dtype}")
-
-    def code_fields(self) -> Dict[str, tuple]:
-        """``{field: (shape after (B, H, n), dtype)}`` of what `encode` writes (probed once on a zero token)."""
-        fields = getattr(self, "_code_fields", None)
-        if fields is None:
-            probe = self.encode(mx.zeros((1, 1, 1, self.d), dtype=mx.float32))
-            fields = self._code_fields = {f: (tuple(a.shape[3:]), a.dtype) for f, a in probe.items()}
-        return fields

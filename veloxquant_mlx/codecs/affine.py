@@ -18,7 +18,8 @@ from typing import Dict, Optional
 
 import mlx.core as mx
 
-from veloxquant_mlx.codecs._common import PerTokenLayout, clamp_all_to, clamp_to, f32, finite_channel_mean, packed_matmul_ok
+from veloxquant_mlx.codecs._common import (PerTokenLayout, clamp_all_to, clamp_to, f32, finite_channel_mean,
+                                           packed_matmul_ok)
 from veloxquant_mlx.codecs._dequant import dequantize
 from veloxquant_mlx.rotation import ROTATION_KINDS, make_rotation
 from veloxquant_mlx.validate import check_bool, check_choice, check_heads, check_int
@@ -93,27 +94,24 @@ class AffineRotatedCodec(PerTokenLayout):
         itemsize = 4 if self.scale_dtype == mx.float32 else 2
         return self.d * self.bits / 8 + 2 * (self.d // self.group_size) * itemsize
 
-    # -- fitting ----------------------------------------------------------------------------------
-    @property
-    def fitted(self) -> bool:
-        return self.mean is not None or not self.center
+    # -- fitting: the per-head channel mean mu (H, d) float32 when centred ------------------------
+    def fitted_spec(self, heads: int):
+        return {"mean": ((heads, self.d), mx.float32)} if self.center else {}
 
-    def fit(self, x: mx.array) -> None:
+    def fitted_from(self, x: mx.array) -> Dict[str, mx.array]:
         check_heads("x", x, self.d)
-        if self.center:
-            self.mean = finite_channel_mean(f32(x))
+        return {"mean": finite_channel_mean(f32(x))} if self.center else {}
+
+    def _set_fitted(self, arrays: Dict[str, mx.array]) -> None:
+        self.mean = arrays.get("mean")
 
     def fitted_arrays(self) -> Dict[str, mx.array]:
         return {} if self.mean is None else {"mean": self.mean}
 
-    def load_fitted(self, arrays: Dict[str, mx.array]) -> None:
-        mean = arrays.get("mean")
-        if set(arrays) - {"mean"}:
-            raise ValueError(f"unexpected fitted arrays {sorted(set(arrays) - {'mean'})} (this codec fits only 'mean')")
-        if self.center and arrays and (mean is None or mean.ndim != 2 or mean.shape[1] != self.d):
-            raise ValueError(f"fitted array 'mean' must be (H, {self.d}) for a centred codec, got "
-                             f"{None if mean is None else tuple(mean.shape)}")
-        self.mean = mean
+    # -- layout -----------------------------------------------------------------------------------
+    def token_fields(self):
+        scales = ((self.d // self.group_size,), self.scale_dtype)
+        return {"w_q": ((self.d * self.bits // 32,), mx.uint32), "scales": scales, "biases": scales}
 
     # -- coding -----------------------------------------------------------------------------------
     def rotate(self, x: mx.array) -> mx.array:

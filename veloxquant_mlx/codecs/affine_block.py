@@ -26,6 +26,7 @@ from veloxquant_mlx.codecs._common import clamp_to, packed_matmul_ok
 from veloxquant_mlx.codecs._dequant import dequantize
 from veloxquant_mlx.codecs._stores import ColumnStore
 from veloxquant_mlx.codecs.affine import FIELDS, AffineRotatedCodec
+from veloxquant_mlx.codecs.contract import CodeField
 from veloxquant_mlx.validate import check_heads
 
 # Query rows per KV head above which decoding once + BLAS beats the transpose=False quantized matmul on CPU.
@@ -50,6 +51,15 @@ class AffineBlockKeyCodec(AffineRotatedCodec):
 
     def n_tokens(self, codes: Dict[str, mx.array]) -> int:
         return codes["scales"].shape[-1] * self.block if codes else 0
+
+    def code_layout(self, heads: int) -> Dict[str, CodeField]:
+        """Tokens last (axis 3): a block is ``block * bits / 32`` words and one scale and bias per channel."""
+        scales = CodeField(3, 1, (1, heads, self.d, 1), self.scale_dtype)
+        wpb = self.block * self.bits // 32
+        return {"w_q": CodeField(3, wpb, (1, heads, self.d, wpb), mx.uint32), "scales": scales, "biases": scales}
+
+    def token_fields(self):
+        raise TypeError(f"{type(self).__name__} codes blocks of tokens: see code_layout")
 
     def encode(self, x: mx.array) -> Dict[str, mx.array]:
         """``(B, H, T, d)``, T a multiple of ``block`` -> ``K^T`` arrays ``(B, H, d, ...)``."""
@@ -96,7 +106,7 @@ class AffineBlockKeyCodec(AffineRotatedCodec):
         """Tokens ``[start, stop)`` (block-aligned)."""
         if start % self.block or stop % self.block:
             raise ValueError(f"token range [{start}, {stop}) must be aligned to block={self.block}")
-        wpb = self.block * self.bits // 32  # uint32 words per block and channel
+        wpb = self.block * self.bits // 32  # uint32 words per block and channel (code_layout's w_q units)
         b0, b1 = start // self.block, stop // self.block
         return {"w_q": codes["w_q"][..., b0 * wpb: b1 * wpb], "scales": codes["scales"][..., b0:b1],
                 "biases": codes["biases"][..., b0:b1]}

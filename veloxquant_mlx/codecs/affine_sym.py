@@ -23,10 +23,7 @@ from typing import Dict, Optional
 import mlx.core as mx
 
 from veloxquant_mlx.codecs._common import f32
-from veloxquant_mlx.codecs.affine import (
-    AFFINE_GROUP_SIZES,
-    AffineRotatedCodec,
-)
+from veloxquant_mlx.codecs.affine import AFFINE_GROUP_SIZES, AffineRotatedCodec
 from veloxquant_mlx.validate import check_heads
 
 SYM_FIELDS = ("w_q", "scales")
@@ -70,6 +67,10 @@ class AffineSymValueCodec(AffineRotatedCodec):
 
     def bytes_per_token_head(self) -> float:
         return self.d * self.bits / 8 + (self.d // self.group_size) * 2
+
+    def token_fields(self):
+        return {"w_q": ((self.d * self.bits // 32,), mx.uint32),
+                "scales": ((self.d // self.group_size,), self.scale_dtype)}
 
     def encode(self, x: mx.array) -> Dict[str, mx.array]:
         check_heads("x", x, self.d)

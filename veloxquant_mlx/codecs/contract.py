@@ -7,15 +7,43 @@ A codec turns one stream of head vectors (the keys, or the values, of one layer)
 
 Shapes: inputs ``x`` are ``(B, H, T, d)`` floats; queries ``q`` and weights ``p`` come grouped per KV head,
 ``(B, H, M, d)`` and ``(B, H, M, n)`` (``M`` = query rows per KV head); codes hold ``n`` tokens in the
-codec's own layout (token axis 2, or last for transposed layouts: only the codec knows).
+codec's own layout (token axis 2, or last for transposed layouts), which it declares (`Codec.code_layout`, one
+`CodeField` per array) so that a cache allocates and indexes codes without encoding probes.
+
+Fitted parameters are per head (axis 0 = heads) and pure to compute: `Codec.fitted_from` returns them without
+changing the codec, `Codec.with_fitted` returns a new codec holding them (``fit`` / ``load_fitted`` are the in-place
+forms, kept for the caches that hold one codec per sequence). Shared implementations:
+:mod:`veloxquant_mlx.codecs._common` (`FittedParams`, `PerTokenLayout`).
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Protocol, Sequence, runtime_checkable
+from dataclasses import dataclass
+from typing import Dict, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 import mlx.core as mx
 
 Codes = Dict[str, mx.array]
+
+
+@dataclass(frozen=True)
+class CodeField:
+    """Where the tokens of one stored array lie: what a cache needs to preallocate, index and grow it.
+
+    For ``x`` ``(1, heads, k * token_block, d)``, ``encode(x)[field]`` has ``block_shape`` with ``block_shape[axis]``
+    multiplied by ``k`` (and axis 0 = the batch rows). Tokens ``[i * token_block, (i + 1) * token_block)`` are
+    entries ``[i * units, (i + 1) * units)`` along ``axis``.
+    """
+
+    axis: int  # the token axis (>= 1: axis 0 is the batch)
+    units: int  # array entries along ``axis`` per ``token_block`` tokens
+    block_shape: Tuple[int, ...]  # one row's arrays of one token block: ``(1, heads, ...)``
+    dtype: mx.Dtype
+
+    def shape(self, blocks: int, rows: int = 1) -> Tuple[int, ...]:
+        """The field's shape for ``rows`` batch rows of ``blocks`` token blocks."""
+        shape = list(self.block_shape)
+        shape[0], shape[self.axis] = rows, self.units * blocks
+        return tuple(shape)
 
 
 @runtime_checkable
@@ -26,19 +54,39 @@ class Codec(Protocol):
     bits: int  # code bits per coordinate (the layout's nominal width)
     token_block: int  # tokens coded together: a cache appends, trims and deletes whole blocks
 
+    # -- layout (declared: a cache never probes `encode`) ----------------------------------------
+    def code_layout(self, heads: int) -> Dict[str, CodeField]:
+        """``{field: CodeField}``: exactly the arrays `encode` returns for ``(1, heads, k * token_block, d)``."""
+
     # -- fitting (per-head parameters from the first tokens, then frozen) -------------------------
+    # Every fitted array is per head: axis 0 = heads, so a batch concatenates its rows' arrays along axis 0
+    # (rows x heads) and a folded ``(1, rows * heads, ...)`` history codes with them.
     @property
-    def fitted(self) -> bool: ...
+    def fitted(self) -> bool:
+        """Whether `encode` may run: fitted, or a codec that fits nothing (`blank_fitted` is ``{}``)."""
+
+    def fitted_from(self, x: mx.array) -> Codes:
+        """The per-head parameters a fit on ``x`` ``(B, H, T, d)`` gives, ``{name: (H, ...)}``, without changing
+        the codec. The B rows are pooled as more tokens of the same H heads (caches pass ``B = 1``; fit each
+        sequence apart for per-sequence parameters). ``{}`` for a codec that fits nothing."""
+
+    def with_fitted(self, arrays: Codes) -> "Codec":
+        """A new codec of the same settings holding ``arrays`` (validated as `load_fitted`); ``self`` unchanged.
+        ``with_fitted({})`` is the unfitted codec."""
+
+    def blank_fitted(self, heads: int) -> Codes:
+        """Finite placeholder parameters of exactly the shapes and dtypes a fit on ``heads`` heads gives (what a
+        batch row holds before its own fit; no coded token reads them); ``{}`` for a codec that fits nothing."""
 
     def fit(self, x: mx.array) -> None:
-        """Fix the per-head parameters from ``x`` ``(B, H, T, d)``; later tokens reuse them."""
+        """In place: ``self`` takes `fitted_from` ``(x)``; later tokens reuse the parameters."""
 
     def fitted_arrays(self) -> Codes:
         """The fitted parameters as arrays (they travel with the codes, and count in a cache's bytes)."""
 
     def load_fitted(self, arrays: Codes) -> None:
-        """Inverse of `fitted_arrays` (validates shapes; raises ValueError naming the array). An empty dict
-        restores the codec unfitted (what `fitted_arrays` gives before the first `fit`)."""
+        """In place: inverse of `fitted_arrays` (validates names, shapes and dtypes; raises ValueError naming the
+        array). An empty dict restores the codec unfitted (what `fitted_arrays` gives before the first `fit`)."""
 
     # -- coding ---------------------------------------------------------------------------------
     def encode(self, x: mx.array) -> Codes:

@@ -30,17 +30,9 @@ class Float16Codec(PerTokenLayout):
     def from_options(cls, options, role: str, d: int) -> "Float16Codec":
         return cls(d, options.k_bits if role == "keys" else options.v_bits)
 
-    fitted = True
-
-    def fit(self, x: mx.array) -> None:
-        pass
-
-    def fitted_arrays(self) -> Dict[str, mx.array]:
-        return {}
-
-    def load_fitted(self, arrays: Dict[str, mx.array]) -> None:
-        if arrays:
-            raise ValueError(f"the float16 codec has no fitted arrays, got {sorted(arrays)}")
+    # Nothing is fitted: `FittedParams`' defaults (`fitted_from` gives {}, `blank_fitted` too).
+    def token_fields(self):
+        return {"x": ((self.d,), mx.float16)}
 
     def encode(self, x: mx.array) -> Dict[str, mx.array]:
         check_heads("x", x, self.d)

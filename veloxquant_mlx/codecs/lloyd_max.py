@@ -30,8 +30,11 @@ import numpy as np
 
 from veloxquant_mlx.codecs._common import PerTokenLayout, clamp_to, f32, finite_channel_mean
 from veloxquant_mlx.codecs._levels import CodePacker, LevelDecoder, interleave
+from veloxquant_mlx.core.context import EncodedVector
 from veloxquant_mlx.dsa.bit_pack import packed_words
-from veloxquant_mlx.validate import check_int
+from veloxquant_mlx.quantizers import QUANTIZERS
+from veloxquant_mlx.quantizers._common import store_norms, unit_and_norm
+from veloxquant_mlx.validate import check_heads, check_int
 
 GROUPS = ("o", "i")  # stored order: outlier channels first, then the inliers
 
@@ -39,8 +42,6 @@ GROUPS = ("o", "i")  # stored order: outlier channels first, then the inliers
 @functools.lru_cache(maxsize=None)
 def get_quantizer(method: str, d: int, bits: int, seed: int, rotation: str, jl_dim: Optional[int]):
     """One shared (stateless, seeded) quantizer per setting: every layer reuses the same rotation."""
-    from veloxquant_mlx.quantizers import QUANTIZERS
-
     if method not in QUANTIZERS:
         raise ValueError(f"method must be one of {sorted(QUANTIZERS)}, got {method!r}")
     kwargs = {"seed": seed, "rotation": rotation}
@@ -103,8 +104,6 @@ def _packer(quant) -> Optional[CodePacker]:
 
 def _encode_mse(quant, packer: CodePacker, x: mx.array) -> Dict[str, mx.array]:
     """``quant.encode(x).arrays()`` (float32 ``x``) with the index quantization and packing fused (same arrays)."""
-    from veloxquant_mlx.quantizers._common import store_norms, unit_and_norm
-
     u, norms = unit_and_norm(x)
     return {"indices": packer(quant.rotation.apply(u)), "norms": store_norms(norms, quant.norm_dtype)}
 
@@ -114,6 +113,25 @@ def _stream_bits(quant, field: str) -> int:
     if field == "signs":
         return 1
     return quant.b - 1 if quant.quantizer_type == "turboquant_prod" else quant.b
+
+
+# The stored streams of each quantizer (per token: packed uint32 words, or one norm): `_quantizer_fields`.
+_STREAMS = {"turboquant_mse": ("indices", "norms"), "turboquant_rvq": ("indices", "norms", "indices2"),
+            "turboquant_prod": ("indices", "norms", "signs", "residual_norm")}
+
+
+def _quantizer_fields(quant) -> Dict[str, tuple]:
+    """``{field: (shape after (B, H, n), dtype)}`` of ``quant.encode(x).arrays()`` for ``x`` ``(B, H, n, width)``."""
+    if quant.quantizer_type not in _STREAMS:
+        raise ValueError(f"no stored layout known for quantizer {quant.quantizer_type!r}")
+    out = {}
+    for f in _STREAMS[quant.quantizer_type]:
+        if f in ("norms", "residual_norm"):
+            out[f] = ((), quant.norm_dtype)
+        else:  # signs: one bit per sketch coordinate (m); indices: the group's width (none for 1-bit Prod)
+            bits = _stream_bits(quant, f)
+            out[f] = ((packed_words(quant.m if f == "signs" else quant.d, bits) if bits else 0,), mx.uint32)
+    return out
 
 
 def _packed(quant, terms, codes: Dict[str, mx.array], g: str) -> bool:
@@ -180,25 +198,43 @@ class LloydMaxCodec(PerTokenLayout):
         return out
 
     def _ev(self, codes: Dict[str, mx.array], g: str):
-        from veloxquant_mlx.core.context import EncodedVector
-
         fields = {k[len(g) + 1:]: v for k, v in codes.items() if k.startswith(g + "_")}
         return EncodedVector(quantizer_type=self.method, dim=self.groups[g][0], dtype_name="float32", **fields)
 
-    # -- fitting ----------------------------------------------------------------------------------
-    @property
-    def fitted(self) -> bool:
-        return self.mean is not None or self.outliers is not None or not (self.center or self.n_outliers)
+    # -- fitting: mean (H, d) bfloat16 when centred, outlier channels (H, n_outliers) when any ---------------
+    def fitted_spec(self, heads: int):
+        spec = {"mean": ((heads, self.d), mx.bfloat16)} if self.center else {}
+        if self.n_outliers:
+            spec["outliers"] = ((heads, self.n_outliers), mx.uint8 if self.d <= 256 else mx.uint16)
+        return spec
 
-    def fit(self, x: mx.array) -> None:
-        xf = f32(x)
+    def fitted_from(self, x: mx.array) -> Dict[str, mx.array]:
+        xf, out = f32(check_heads("x", x, self.d)), {}
         if self.center:
-            self.mean = finite_channel_mean(xf).astype(mx.bfloat16)  # (H, d)
-            xf = xf - self.mean.astype(mx.float32)[None, :, None, :]
+            out["mean"] = finite_channel_mean(xf).astype(mx.bfloat16)  # (H, d)
+            xf = xf - out["mean"].astype(mx.float32)[None, :, None, :]
         if self.n_outliers:
             energy = finite_channel_mean(xf * xf)  # (H, d): channel energy after centring
             top = mx.argsort(-energy, axis=-1)[:, : self.n_outliers]
-            self.set_outliers(mx.sort(top, axis=-1).astype(mx.uint8 if self.d <= 256 else mx.uint16))
+            out["outliers"] = mx.sort(top, axis=-1).astype(self.fitted_spec(1)["outliers"][1])
+        return out
+
+    def blank_fitted(self, heads: int) -> Dict[str, mx.array]:
+        out = super().blank_fitted(heads)
+        if "outliers" in out:  # distinct channels (a valid permutation), not n copies of channel 0
+            out["outliers"] = mx.broadcast_to(mx.arange(self.n_outliers), out["outliers"].shape).astype(
+                out["outliers"].dtype)
+        return out
+
+    def check_fitted(self, arrays: Dict[str, mx.array]) -> Dict[str, mx.array]:
+        arrays = super().check_fitted(arrays)
+        if "outliers" in arrays and mx.any(arrays["outliers"] >= self.d).item():
+            raise ValueError(f"fitted array 'outliers' must be (H, {self.n_outliers}) channel indices < {self.d}")
+        return arrays
+
+    def _set_fitted(self, arrays: Dict[str, mx.array]) -> None:
+        self.mean = arrays.get("mean")
+        self.set_outliers(arrays.get("outliers"))
 
     def set_outliers(self, outliers: Optional[mx.array]) -> None:
         """Store the outlier channels ``(H, n)`` and derive the channel permutation from them."""
@@ -222,22 +258,10 @@ class LloydMaxCodec(PerTokenLayout):
             out["outliers"] = self.outliers
         return out
 
-    def load_fitted(self, arrays: Dict[str, mx.array]) -> None:
-        mean, outliers = arrays.get("mean"), arrays.get("outliers")
-        if not arrays:  # saved before the first fit
-            self.mean = None
-            self.set_outliers(None)
-            return
-        if self.center and (mean is None or mean.ndim != 2 or mean.shape[1] != self.d):
-            raise ValueError(f"fitted array 'mean' must be (H, {self.d}) for a centred codec, got "
-                             f"{None if mean is None else tuple(mean.shape)}")
-        if self.n_outliers and (outliers is None or outliers.ndim != 2 or outliers.shape[1] != self.n_outliers
-                                or mx.any(outliers >= self.d).item()):
-            raise ValueError(f"fitted array 'outliers' must be (H, {self.n_outliers}) channel indices < {self.d}")
-        self.mean = mean
-        self.set_outliers(outliers)
-
     # -- coding -----------------------------------------------------------------------------------
+    def token_fields(self):
+        return {f"{g}_{f}": spec for g, _, _, quant in self._groups() for f, spec in _quantizer_fields(quant).items()}
+
     def encode(self, x: mx.array) -> Dict[str, mx.array]:
         xf = f32(x)
         if self.mean is not None:

@@ -9,6 +9,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
+import mlx.core as mx
+import numpy as np
+
 
 class KVCache(ABC):
     """Abstract standalone KV cache of one head with head dimension ``d``.
@@ -49,9 +52,6 @@ def as_float_rows(x: Any, name: str, d: int | None = None) -> "mx.array":
     check: an ``mx.array`` or ``np.ndarray`` of a floating dtype with 1 or 2 axes whose last axis
     is ``d`` (when given). Raises TypeError/ValueError naming ``name``.
     """
-    import mlx.core as mx
-    import numpy as np
-
     if isinstance(x, np.ndarray):
         if not np.issubdtype(x.dtype, np.floating):
             raise TypeError(f"{name} must have a floating dtype (float16/bfloat16/float32), got {x.dtype}")

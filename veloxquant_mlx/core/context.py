@@ -18,6 +18,8 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
+from veloxquant_mlx.dsa.bit_pack import packed_words, unpack
+
 _ARRAY_FIELDS = ("indices", "norms", "signs", "residual_norm", "indices2")
 
 
@@ -106,8 +108,6 @@ class EncodedVector:
 
     def codes(self, bits: int, name: str = "indices") -> mx.array:
         """Stream ``name`` as ``(..., d)`` code indices at ``bits`` bits (what the quantizer decodes)."""
-        from veloxquant_mlx.dsa.bit_pack import packed_words, unpack
-
         a = self._stored.get(name)
         if a is None:
             raise ValueError(f"EncodedVector.{name} is missing (quantizer_type={self.quantizer_type!r})")
@@ -125,8 +125,6 @@ class EncodedVector:
 
     def sign_values(self, m: int) -> mx.array:
         """The ``(..., m)`` signs as float32 ±1 (unpacking packed bits)."""
-        from veloxquant_mlx.dsa.bit_pack import packed_words, unpack
-
         s = self._stored.get("signs")
         if s is None:
             raise ValueError(f"EncodedVector.signs is missing (quantizer_type={self.quantizer_type!r})")

@@ -4,15 +4,12 @@ from __future__ import annotations
 from typing import List, Sequence
 
 import mlx.core as mx
+from mlx_lm.models.llama import Model as LlamaModel
 
 DEFAULT_CHUNK = 256
 
 
 def _is_llama(model) -> bool:
-    try:
-        from mlx_lm.models.llama import Model as LlamaModel
-    except ImportError:  # pragma: no cover
-        return False
     return isinstance(model, LlamaModel)
 
 

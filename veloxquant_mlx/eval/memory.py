@@ -10,20 +10,18 @@ function, so every tool reports the same figure for the same configuration and c
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Sequence, Tuple
+from typing import Sequence
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from veloxquant_mlx.model_shape import local_kv_heads, model_kv_shape
+from veloxquant_mlx.validate import check_int
 
-def model_kv_shape(model) -> Tuple[int, int, int]:
-    """(n_layers, kv_heads, head_dim) of an mlx_lm model (from ``model.args``)."""
-    args = model.args
-    n_layers = len(model.layers)
-    heads = int(args.num_attention_heads)
-    kv_heads = int(getattr(args, "num_key_value_heads", None) or heads)
-    head_dim = getattr(args, "head_dim", None) or args.hidden_size // heads
-    return n_layers, kv_heads, int(head_dim)
+from .specs import resolve_spec
+
+__all__ = ["DEFAULT_CONTEXT", "FILL_CHUNK", "bits_per_coordinate", "cache_memory", "cache_nbytes",
+           "measure_bytes_per_token", "measure_footprint", "model_kv_shape", "plan_context", "stored_nbytes"]
 
 
 def cache_nbytes(cache) -> int:
@@ -110,8 +108,6 @@ def measure_bytes_per_token(
     and exact sink tokens included, as the evaluation counts them); ``marginal_bytes_per_token_per_layer`` is
     the growth over the last 256 tokens (what a longer context adds per token) and ``fixed_bytes`` the rest.
     """
-    from veloxquant_mlx.validate import check_int
-
     context = check_int("context", context, 2 * FILL_CHUNK)
     if context % FILL_CHUNK:
         raise ValueError(f"context must be a multiple of {FILL_CHUNK} (mlx_lm's allocation step), got {context}")
@@ -155,9 +151,6 @@ def plan_context(bytes_per_token_per_layer: float, n_layers: int, ram_bytes: flo
 def measure_footprint(model, make_cache) -> dict:
     """Bytes per token of ``make_cache``'s caches at ``model``'s attention shape, measured by the code of
     ``veloxquant methods`` (`measure_bytes_per_token`), with the plain cache's alongside."""
-    from veloxquant_mlx.distributed import local_kv_heads
-    from veloxquant_mlx.eval.specs import resolve_spec
-
     n_layers, _, head_dim = model_kv_shape(model)
     kv_heads = local_kv_heads(model)  # this rank's, when the model is sharded
     ours, plain = (measure_bytes_per_token(m, kv_heads, head_dim) for m in (make_cache, resolve_spec("kv").make_cache))

@@ -10,6 +10,8 @@ from __future__ import annotations
 import random
 from typing import Dict, List, Sequence
 
+from tqdm.auto import tqdm
+
 from .forward import DEFAULT_CHUNK, greedy_decode, prefill
 from .specs import CacheSpec
 
@@ -74,8 +76,6 @@ def passkey_eval(
     progress: bool = True,
 ) -> Dict[str, dict]:
     """Per spec: ``passed``/``total`` and one record per (length, depth) with key and answer."""
-    from tqdm.auto import tqdm
-
     eos = getattr(tokenizer, "eos_token_ids", None) or []
     trials = [(L, d) for L in lengths for d in depths]
     out = {s.name: {"passed": 0, "total": len(trials), "trials": []} for s in specs}

@@ -12,6 +12,7 @@ import math
 from typing import Dict, List, Optional, Sequence
 
 import mlx.core as mx
+from tqdm.auto import tqdm
 
 from .forward import DEFAULT_CHUNK
 from .memory import cache_memory, model_kv_shape
@@ -61,8 +62,6 @@ def perplexity_eval(
     ``reference`` defaults to mlx_lm's plain ``KVCache``; a spec with the reference's name
     reuses the reference pass (KL 0, top-1 1.0) instead of running twice.
     """
-    from tqdm.auto import tqdm
-
     if chunk <= 0:
         raise ValueError(f"chunk must be > 0, got {chunk}")
     reference = reference or baseline_specs()[0]

@@ -8,7 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
-from veloxquant_mlx.options import CacheOptions
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+from veloxquant_mlx.cache.builder import make_prompt_cache
+from veloxquant_mlx.options import BUDGETS, PRESETS, SINK_TOKENS, CacheOptions  # noqa: F401 (SINK_TOKENS: re-exported)
 
 CacheFactory = Callable[[object], list]
 
@@ -48,15 +51,11 @@ def _n_layers(model) -> int:
 
 
 def _plain(model) -> list:
-    from mlx_lm.models.cache import KVCache
-
     return [KVCache() for _ in range(_n_layers(model))]
 
 
 def _mlx_quantized(bits: int) -> CacheFactory:
     def make(model) -> list:
-        from mlx_lm.models.cache import QuantizedKVCache
-
         return [QuantizedKVCache(group_size=MLX_GROUP_SIZE, bits=bits) for _ in range(_n_layers(model))]
 
     return make
@@ -78,53 +77,11 @@ def baseline_specs() -> List[CacheSpec]:
     return specs
 
 
-# The TurboQuant configurations every tool offers (demo, generate, eval, methods, plan, serve): the one registry
-# of named configurations, each a `CacheOptions`. Every configuration keeps the first 4 tokens exact
-# ("attention sinks"): on SmolLM2 this removed about a third of the KL at 4 bits (benchmarks/probe_quality.py)
-# and fixed garbled chat answers. "tq-affine": the TurboQuant rotation with MLX's affine codes instead of the
-# Lloyd-Max codebook, keys per channel over 64-token blocks ("affine_block"): the fastest attention on codes.
-# 8-bit codes: MLX's CPU quantized matmul runs faster on byte-aligned codes, and keys carry most of the
-# attention error: near-lossless, and (k8v8) decoding faster than the plain float32 cache on CPU.
-SINK_TOKENS = 4
-
-
-def _tq(method: str, k_bits: int, v_bits: int, codec: str = "lloyd_max") -> CacheOptions:
-    return CacheOptions(method=method, k_bits=k_bits, v_bits=v_bits, sink=SINK_TOKENS, codec=codec)
-
-
-CONFIGURATIONS: Dict[str, CacheOptions] = {
-    "tq-mse-k4v4": _tq("turboquant_mse", 4, 4),
-    "tq-mse-k3v3": _tq("turboquant_mse", 3, 3),
-    "tq-mse-k2v2": _tq("turboquant_mse", 2, 2),
-    "tq-prod-k4v4": _tq("turboquant_prod", 4, 4),
-    "tq-rvq-k2v2": _tq("turboquant_rvq", 2, 2),
-    "tq-affine-k4v4": _tq("turboquant_mse", 4, 4, "affine_block"),
-    "tq-affine-k8v4": _tq("turboquant_mse", 8, 4, "affine_block"),
-    "tq-affine-k8v8": _tq("turboquant_mse", 8, 8, "affine_block"),
-}
-
-# The budget configurations of issue 16: the best measured configuration within each bit budget (bits per
-# coordinate averaged over K and V, every stored byte counted, at 2048 and 4096 tokens; BENCHMARKS.md has the
-# measurements and the levers tried). Layout "kblock_vsym": keys per rotated channel over 128-token blocks with
-# least-squared-error clipped ranges (0.25 bit of float16 scale and bias), values per token with symmetric levels
-# and one float16 scale per 64 coordinates (0.25 bit), attention on the codes throughout (the same quality as
-# Lloyd-Max values, "kblock_vlloyd", at 37x less attention time). No exact tokens: trim_headroom=0 codes a block as
-# soon as it is complete, so at a multiple of 128 tokens nothing is held exact (up to 127 newest tokens wait exact
-# in between). No centring: the keys' per-channel biases absorb their means, and storing the means would cost
-# 0.016 bit at 2048 tokens.
-BUDGET_CONFIGURATIONS: Dict[str, float] = {"tq-4b": 4.25, "tq-3b": 3.25, "tq-2b": 2.25}
-
-
-def _budget(bits: int) -> CacheOptions:
-    return CacheOptions(codec="kblock_vsym", k_bits=bits, v_bits=bits, group_size=128, trim_headroom=0,
-                        center_keys=False, center_values=False)
-
-
-CONFIGURATIONS.update({
-    "tq-4b": _budget(4),
-    "tq-3b": _budget(3),
-    "tq-2b": _budget(2),
-})
+# The named configurations are `veloxquant_mlx.options.PRESETS` (the one table; read-only), the budget ones
+# `options.BUDGETS` (name -> bit budget); the default of every entry point is `options.DEFAULT_NAME`. The names
+# below stay for the code that reads them here.
+CONFIGURATIONS = PRESETS
+BUDGET_CONFIGURATIONS = BUDGETS
 
 
 def options_extra(options: CacheOptions) -> Dict[str, object]:
@@ -135,8 +92,6 @@ def options_extra(options: CacheOptions) -> Dict[str, object]:
 
 def _compressed_factory(options: CacheOptions) -> CacheFactory:
     def make(model) -> list:
-        from veloxquant_mlx.cache.builder import make_prompt_cache
-
         return make_prompt_cache(model, options)
 
     return make
@@ -146,7 +101,7 @@ def compressed_spec(name: str, options: CacheOptions) -> CacheSpec:
     """A `CacheSpec` for compressed caches built from ``options``."""
     # RVQ codes each vector twice (two b-bit streams), so its nominal bits are 2b.
     nominal = 2 * options.k_bits if options.method == "turboquant_rvq" else options.k_bits
-    if name in BUDGET_CONFIGURATIONS:
+    if name in BUDGETS:
         family, what = "tq-budget", f"block keys and per-token values ({options.codec})"  # --method tq-budget --bits 3
     elif options.codec == "lloyd_max":
         family, what = options.method, options.method
@@ -159,8 +114,9 @@ def compressed_spec(name: str, options: CacheOptions) -> CacheSpec:
 
 
 def compressed_specs(head_dim: Optional[int] = None) -> List[CacheSpec]:
-    """The registered TurboQuant configurations (``head_dim`` is read from the model when the cache is built)."""
-    return [compressed_spec(name, options) for name, options in CONFIGURATIONS.items()]
+    """The registered TurboQuant configurations, `options.PRESETS` in order (``head_dim`` is read from the model
+    when the cache is built)."""
+    return [compressed_spec(name, options) for name, options in PRESETS.items()]
 
 
 def registered_specs(head_dim: Optional[int] = None) -> List[CacheSpec]:

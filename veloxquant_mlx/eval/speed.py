@@ -5,6 +5,7 @@ import time
 from typing import Sequence
 
 import mlx.core as mx
+from tqdm.auto import tqdm
 
 from .forward import DEFAULT_CHUNK, greedy_decode, prefill
 from .memory import cache_memory, model_kv_shape
@@ -26,8 +27,6 @@ def speed_eval(
     ``mx.get_peak_memory()`` since a reset at the start of this call: the largest total of MLX
     allocations (model weights included) while this configuration ran.
     """
-    from tqdm.auto import tqdm
-
     if context <= 0 or context > len(tokens):
         raise ValueError(f"context must be within [1, {len(tokens)}], got {context}")
     if decode_tokens <= 0:

@@ -12,6 +12,7 @@ from typing import Any, Dict, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.llama import Model, ModelArgs
 
 GGUF_GROUP_SIZE = 32
 
@@ -61,8 +62,6 @@ def model_args_from_metadata(meta: Dict[str, Any], tied: bool):
     ``rope_traditional=True``: llama.cpp's converter permutes the q/k projection rows from the
     HF "rotate half" layout to interleaved pairs, which is MLX's traditional RoPE.
     """
-    from mlx_lm.models.llama import ModelArgs
-
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise ValueError(
@@ -118,8 +117,6 @@ def build_model_from_gguf(path: str | Path, quantized: bool = False):
     quantized_matmul is much slower than a float32 BLAS matmul and the logits are the same.
     quantized=True: keep ``QuantizedLinear``/``QuantizedEmbedding`` (group 32, bits as stored).
     """
-    from mlx_lm.models.llama import Model
-
     weights, meta = read_gguf(path)
     if meta.get("general.architecture") != "llama":
         raise ValueError(

