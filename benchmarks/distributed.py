@@ -29,9 +29,10 @@ def worker(args) -> int:
     from veloxquant_mlx.distributed import local_kv_heads, shard
     from veloxquant_mlx.eval import corpus_tokens
     from veloxquant_mlx.eval.specs import resolve_spec
+    from veloxquant_mlx.models import load_model
 
     group = mx.distributed.init()
-    model, tok = vq.load_model("smollm2")
+    model, tok = load_model("smollm2")
     shard(model, group)
     vq.enable(model, resolve_spec(args.method).options)
     cache = make_prompt_cache(model)

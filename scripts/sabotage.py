@@ -24,7 +24,7 @@ import time
 # -- the targets: sabotage -> ["module:attribute.path", ...] ----------------------------------------------
 TARGETS = {
     # install/uninstall of the packed-attention hook become no-ops: caches fall back to decoding
-    "attention_off": ["veloxquant_mlx.attention.hook:install", "veloxquant_mlx.attention.hook:uninstall"],
+    "attention_off": ["veloxquant_mlx.integration:install", "veloxquant_mlx.integration:uninstall"],
     # the keys a cache stores are replaced by random normals of the same shape and scale
     "random_keys": ["veloxquant_mlx.cache.packed_cache:TurboQuantPackedCache._append",
                     "veloxquant_mlx.cache.turboquant_cache:TurboQuantKVCache.append_key"],

@@ -375,7 +375,7 @@ def test_codec_never_hides_a_non_finite_token(name, role, bad):
 
 # --- zero rows / heads / channels: refused where the keys enter, naming them and what is allowed -----------------
 def _zero_test_caches():
-    from veloxquant_mlx.cache.batch_packed_cache import TurboQuantBatchPackedCache, TurboQuantBatchRotatingPackedCache
+    from veloxquant_mlx.cache.packed_cache import TurboQuantBatchPackedCache, TurboQuantBatchRotatingPackedCache
     from veloxquant_mlx.cache.packed_cache import TurboQuantRotatingPackedCache
 
     block, lloyd = CONFIGURATIONS["tq-affine-k8v4"], CONFIGURATIONS["tq-mse-k4v4"]

@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Set
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "veloxquant_mlx"
-APPS = ("cli", "server", "eval", "models", "distributed", "blas", "__main__")
+APPS = ("cli", "launcher", "server", "eval", "models", "distributed", "blas", "__main__")
 # Third-party packages a function may import: optional dependencies, not installed with the library
 # (pyproject's extras: "plot").
 OPTIONAL = frozenset({"matplotlib"})

@@ -23,7 +23,7 @@ from mlx_lm.models import gemma3_text, llama
 
 from veloxquant_mlx import use_packed_attention
 from veloxquant_mlx.codecs import AffineRotatedCodec, LloydMaxCodec
-from veloxquant_mlx.cache.builder import attention_is_routable, make_prompt_cache
+from veloxquant_mlx.integration import attention_is_routable, make_prompt_cache
 from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache, TurboQuantRotatingPackedCache
 from veloxquant_mlx.cache.prompt_cache_io import load_prompt_cache, save_prompt_cache
 from veloxquant_mlx.config import KVCacheConfig

@@ -25,7 +25,7 @@ from veloxquant_mlx import cli
 from veloxquant_mlx import server as vs
 from veloxquant_mlx.attention import hook
 import veloxquant_mlx as vq
-from veloxquant_mlx.cache.batch_packed_cache import TurboQuantBatchPackedCache
+from veloxquant_mlx.cache.packed_cache import TurboQuantBatchPackedCache
 from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache
 from veloxquant_mlx.eval.specs import method_names, resolve_spec
 from veloxquant_mlx.options import DEFAULT_NAME

@@ -2,12 +2,9 @@
 
 Every compressed default is `veloxquant_mlx.options.DEFAULT_NAME` (``generate``, ``serve``; ``methods`` marks it).
 
-MLX is imported lazily inside the commands: when run as a program, :func:`main` first re-executes
-itself with Debian's OpenBLAS preloaded (see :mod:`veloxquant_mlx.blas`), which must happen
-before MLX maps its BLAS. So the imports left inside functions here are of the modules that load MLX / mlx_lm
-(nearly all of this package: `veloxquant_mlx.validate` imports ``mlx.core``); at module level they would be loaded
-once in the process that is then replaced (about 2 s more per command on a 2-core CPU), and once again after.
-Optional extras (matplotlib) stay inside the functions that need them.
+The program itself starts in :mod:`veloxquant_mlx.launcher`, which re-executes the process with Debian's OpenBLAS
+preloaded before this module (and MLX with it) is imported. Optional extras (matplotlib) are imported by the
+functions that need them.
 """
 from __future__ import annotations
 
@@ -20,9 +17,22 @@ import sys
 import time
 from typing import List, Optional
 
+import mlx.core as mx
+from mlx_lm import stream_generate
+from mlx_lm.generate import BatchGenerator
 from tqdm.auto import tqdm
 
-from .blas import ensure_openblas, loaded_blas  # no MLX: must load before it
+from .blas import loaded_blas
+from .distributed import rank_summary, shard
+from .eval import corpus_tokens, passkey_eval, perplexity_eval, speed_eval
+from .eval.corpus import CORPORA, CorpusMissing, DEFAULT_CORPUS
+from .eval.forward import greedy_decode, prefill
+from .eval.memory import DEFAULT_CONTEXT, measure_bytes_per_token, model_kv_shape, plan_context
+from .eval.specs import baseline_specs, registered_specs, resolve_spec
+from .integration import disable, enable, use_packed_attention
+from .models import ModelPackageMissing, load_model, max_context
+from .options import DEFAULT_NAME
+from .server import add_serve_arguments, probe_batching, serve_main
 
 DEMO_PROMPT = "What is the capital of France?"
 MAX_BITS = 16
@@ -90,9 +100,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .eval.corpus import CORPORA, DEFAULT_CORPUS
-    from .options import DEFAULT_NAME
-    from .server import add_serve_arguments
 
     p = _Parser(prog="veloxquant", description="TurboQuant KV-cache compression for MLX: demo and evaluation")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -173,7 +180,6 @@ def _say(msg: str) -> None:
 
 
 def _load(args):
-    from .models import load_model
 
     t0 = time.perf_counter()
     model, tok = load_model(args.model, quantized=args.quantized_weights)
@@ -182,7 +188,6 @@ def _load(args):
 
 
 def _check_context(model, n: int, what: str) -> None:
-    from .models import max_context
 
     limit = max_context(model)
     if limit is not None and n > limit:
@@ -190,8 +195,6 @@ def _check_context(model, n: int, what: str) -> None:
 
 
 def _select_specs(model_or_head_dim, methods: str):
-    from .eval.memory import model_kv_shape
-    from .eval.specs import registered_specs, resolve_spec
 
     head_dim = model_or_head_dim if isinstance(model_or_head_dim, int) else model_kv_shape(model_or_head_dim)[2]
     specs = registered_specs(head_dim)
@@ -208,7 +211,6 @@ def _select_specs(model_or_head_dim, methods: str):
 
 
 def _with_reference(specs):
-    from .eval.specs import baseline_specs
 
     ref = baseline_specs()[0]
     return specs if any(s.name == ref.name for s in specs) else [ref] + list(specs)
@@ -284,8 +286,6 @@ def plot_ppl(results: dict, path: str) -> None:
 
 # ----------------------------------------------------------------------------- commands
 def cmd_demo(args) -> int:
-    from .eval import corpus_tokens, perplexity_eval
-    from .eval.forward import greedy_decode, prefill
 
     _check_writable(args.out, "--out")
     model, tok = _load(args)
@@ -324,13 +324,7 @@ def cmd_demo(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    import mlx.core as mx
-    from mlx_lm import stream_generate
 
-    from .distributed import rank_summary, shard
-    from .eval.memory import model_kv_shape
-    from .eval.specs import resolve_spec
-    from .integration import disable, enable
 
     group = mx.distributed.init()  # one rank unless launched with mlx.launch
     if args.pipeline and group.size() == 1:
@@ -385,10 +379,7 @@ def _read_prompts(path: str) -> List[str]:
 
 def _generate_batched(args, model, tok, spec, all_ids) -> int:
     """Several prompts through mlx_lm's BatchGenerator (continuous batching); each answer printed when done."""
-    from mlx_lm.generate import BatchGenerator
 
-    from .integration import disable, enable
-    from .server import probe_batching
 
     ok, why = probe_batching(model, spec.make_cache)
     if not ok:
@@ -416,7 +407,6 @@ def _generate_batched(args, model, tok, spec, all_ids) -> int:
 
 
 def cmd_eval(args) -> int:
-    from .eval import corpus_tokens, passkey_eval, perplexity_eval, speed_eval
 
     if args.plot and args.eval_kind != "ppl":
         raise CLIError("--plot is only available for `eval ppl`")
@@ -461,8 +451,6 @@ def cmd_eval(args) -> int:
 
 
 def _measured(head_dim: int, kv_heads: int):
-    from .eval.memory import measure_bytes_per_token
-    from .eval.specs import registered_specs
 
     return [(s, measure_bytes_per_token(s.make_cache, kv_heads, head_dim)) for s in registered_specs(head_dim)]
 
@@ -471,8 +459,6 @@ DEFAULT_MARK = "(default) "
 
 
 def cmd_methods(args) -> int:
-    from .eval.memory import DEFAULT_CONTEXT
-    from .options import DEFAULT_NAME
 
     rows = [[s.name, s.family, "-" if s.bits is None else f"{s.bits:g}", f"{m['bytes_per_token_per_layer']:.1f}",
              f"{m['bits_per_coordinate']:.3f}", (DEFAULT_MARK if s.name == DEFAULT_NAME else "") + s.description]
@@ -487,13 +473,11 @@ def cmd_methods(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from .server import serve_main
 
     return serve_main(args)
 
 
 def cmd_plan(args) -> int:
-    from .eval.memory import plan_context
 
     ram = args.ram_gb * 2**30
     rows = []
@@ -513,11 +497,7 @@ COMMANDS = {"demo": cmd_demo, "generate": cmd_generate, "eval": cmd_eval, "metho
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point. ``argv=None`` means a real process: re-exec with OpenBLAS first if useful."""
     if argv is None:
-        ensure_openblas()
         argv = sys.argv[1:]
-    from .eval.corpus import CorpusMissing
-    from .integration import use_packed_attention
-    from .models import ModelPackageMissing
 
     try:
         args = build_parser().parse_args(argv)
@@ -552,10 +532,3 @@ def exit_process(code: int) -> None:
     os._exit(code)
 
 
-def run() -> None:
-    """The ``veloxquant`` console script."""
-    exit_process(main())
-
-
-if __name__ == "__main__":
-    run()

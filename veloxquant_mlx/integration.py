@@ -62,8 +62,8 @@ from veloxquant_mlx.options import resolve_options
 from veloxquant_mlx.validate import check_bool, check_int
 
 # The cache classes this module builds, converts and registers with mlx_lm (the only imports of cache classes here).
-from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache, TurboQuantRotatingPackedCache
-from veloxquant_mlx.cache.batch_packed_cache import TurboQuantBatchPackedCache, TurboQuantBatchRotatingPackedCache
+from veloxquant_mlx.cache.packed_cache import (TurboQuantBatchPackedCache, TurboQuantBatchRotatingPackedCache,
+                                               TurboQuantPackedCache, TurboQuantRotatingPackedCache)
 from veloxquant_mlx.compat.turboquant_rvq_cache import TurboQuantRVQKVCache
 
 CACHE_CLASSES = (TurboQuantPackedCache, TurboQuantRotatingPackedCache, TurboQuantRVQKVCache, TurboQuantBatchPackedCache,

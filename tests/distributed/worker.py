@@ -71,7 +71,7 @@ def main(case: str, out_dir: str, single: bool = False) -> int:
     loaded, live = vq.load_prompt_cache(path), copy.deepcopy(caches)
     nxt = [model(mx.array([[5]]), cache=c)[0, -1] for c in (live, loaded)]
     facts = {"summary": summary, "n_caches": len(caches), "kinds": sorted({type(c).__name__ for c in caches}),
-             "kv_heads": [c.v_codes.view()["w_q"].shape[1] for c in caches],
+             "kv_heads": [c.rows.heads for c in caches],
              "file_continues_exactly": bool(mx.array_equal(nxt[0], nxt[1])),
              "nbytes": sum(c.nbytes for c in caches)}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

@@ -10,8 +10,8 @@ import importlib
 _EXPORTS = {
     "TurboQuantPackedCache": "veloxquant_mlx.cache.packed_cache",
     "TurboQuantRotatingPackedCache": "veloxquant_mlx.cache.packed_cache",
-    "TurboQuantBatchPackedCache": "veloxquant_mlx.cache.batch_packed_cache",
-    "TurboQuantBatchRotatingPackedCache": "veloxquant_mlx.cache.batch_packed_cache",
+    "TurboQuantBatchPackedCache": "veloxquant_mlx.cache.packed_cache",
+    "TurboQuantBatchRotatingPackedCache": "veloxquant_mlx.cache.packed_cache",
     "TurboQuantRVQKVCache": "veloxquant_mlx.compat.turboquant_rvq_cache",
     "TurboQuantKVCache": "veloxquant_mlx.compat.turboquant_cache",
     "KVCacheBuilder": "veloxquant_mlx.integration",

@@ -206,7 +206,7 @@ def restore_batch_rows(cls, state: Dict[str, Any], meta: Dict[str, Any], batch: 
             raise _fail(cls, f"no head dims recorded, yet it holds arrays {sorted(names)} / lengths {rows['lengths']}")
         return batch
     batch.setup(*meta["dims"], meta["heads"])
-    H, (dk, dv) = batch.heads, batch.dims
+    H = batch.heads
     claimed = set()
 
     def exact(prefix: str, what: str):

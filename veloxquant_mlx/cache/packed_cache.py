@@ -25,12 +25,11 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from veloxquant_mlx.attention import hook as _hook
-from veloxquant_mlx.attention.packed_sdpa import CodedPart, ExactPart, attend_one_query, packed_attention
+from veloxquant_mlx.attention.packed_sdpa import ExactPart, attend_one_query, packed_attention
 from veloxquant_mlx.cache import _state_check as _state
 from veloxquant_mlx.cache._pipeline import PipelineDependency
 from veloxquant_mlx.cache.rows import Rows, concat_rows, row_arrays, take_rows
-from veloxquant_mlx.codecs import codec_layout
-from veloxquant_mlx.codecs._common import check_codable
+from veloxquant_mlx.codecs import check_codable, codec_layout
 from veloxquant_mlx.options import resolve_options
 from veloxquant_mlx.validate import FLOAT_DTYPES, check_bool, check_heads, check_int
 

@@ -10,7 +10,10 @@ and declare ``BITS``, ``OUTLIERS``, ``GROUP_SIZES`` and ``BLOCKED`` (`CodecLayou
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, Sequence
+
+import mlx.core as mx
+import numpy as np
 
 from veloxquant_mlx.codecs.affine import AffineRotatedCodec
 from veloxquant_mlx.codecs.affine_block import AffineBlockKeyCodec
@@ -48,6 +51,29 @@ CODECS: Dict[str, CodecLayout] = {
 }
 
 
+def check_codable(parts: Dict[str, Sequence[mx.array]], first: int, codec: str, block: int) -> None:
+    """ValueError naming the argument (``keys`` / ``values``) when the tokens a cache is about to code per channel
+    over blocks hold a non-finite value: a block's one scale and bias per channel cannot hold it alone (it would
+    spread over the block, or be hidden). ``parts``: per argument, the ``(B, H, n, d)`` arrays of those tokens in
+    temporal order, the first at token ``first`` of the cache. One host sync for all of them."""
+    flags = [mx.all(mx.isfinite(a)) for arrays in parts.values() for a in arrays]
+    if all(mx.stack(flags).tolist()):
+        return
+    for name, arrays in parts.items():
+        rows = np.concatenate([np.array(a.astype(mx.float32)) for a in arrays], axis=2)
+        bad = np.nonzero(~np.isfinite(rows).all(axis=(0, 1, 3)))[0]
+        if len(bad):
+            at = ", ".join(str(first + int(i)) for i in bad[:8]) + (", ..." if len(bad) > 8 else "")
+            per_token = tuple(n for n, lay in CODECS.items() if not (lay.keys.BLOCKED or lay.values.BLOCKED))
+            raise ValueError(
+                f"{name} hold a non-finite value (inf or NaN) at token{'s' if len(bad) > 1 else ''} {at} of this "
+                f"cache, which this update would code: codec={codec!r} stores {name} per channel over blocks of "
+                f"{block} tokens with one scale and bias each, where a non-finite token would spread over its block "
+                f"or be hidden. Non-finite {name} usually mean the model overflowed (float16 activations): run it in "
+                f"bfloat16 or float32, or use a per-token codec {per_token}, which keeps such a token to itself. The "
+                "cache is unchanged.")
+
+
 def codec_layout(name: str) -> CodecLayout:
     if not isinstance(name, str) or name not in CODECS:
         raise ValueError(f"codec must be one of {tuple(CODECS)}, got {name!r}")
@@ -56,4 +82,4 @@ def codec_layout(name: str) -> CodecLayout:
 
 __all__ = ["AffineBlockKVCodec", "AffineBlockKVMSECodec", "AffineBlockKeyCodec", "AffineRotatedCodec",
            "AffineSymValueCodec", "CODECS", "Codec", "CodeField", "CodecLayout", "Float16Codec",
-           "LloydMaxCodec", "LloydMaxValueCodec", "check_codec", "codec_layout"]
+           "LloydMaxCodec", "LloydMaxValueCodec", "check_codable", "check_codec", "codec_layout"]

@@ -7,7 +7,6 @@ import threading
 from typing import Dict, Optional, Sequence, Tuple
 
 import mlx.core as mx
-import numpy as np
 
 from veloxquant_mlx.codecs.contract import CodeField
 from veloxquant_mlx.validate import check_heads
@@ -40,30 +39,6 @@ def finite_channel_mean(x: mx.array) -> mx.array:
     finite = mx.sum(mx.where(ok, x, 0.0), axis=(0, 2)) / mx.maximum(mx.sum(ok.astype(mx.float32), axis=(0, 2)), 1.0)
     return mx.where(mx.isfinite(mean), mean, finite)
 
-
-def check_codable(parts: Dict[str, Sequence[mx.array]], first: int, codec: str, block: int) -> None:
-    """ValueError naming the argument (``keys`` / ``values``) when the tokens a cache is about to code per channel
-    over blocks hold a non-finite value: a block's one scale and bias per channel cannot hold it alone (it would
-    spread over the block, or be hidden). ``parts``: per argument, the ``(B, H, n, d)`` arrays of those tokens in
-    temporal order, the first at token ``first`` of the cache. One host sync for all of them."""
-    flags = [mx.all(mx.isfinite(a)) for arrays in parts.values() for a in arrays]
-    if all(mx.stack(flags).tolist()):
-        return
-    from veloxquant_mlx.codecs import CODECS
-
-    for name, arrays in parts.items():
-        rows = np.concatenate([np.array(a.astype(mx.float32)) for a in arrays], axis=2)
-        bad = np.nonzero(~np.isfinite(rows).all(axis=(0, 1, 3)))[0]
-        if len(bad):
-            at = ", ".join(str(first + int(i)) for i in bad[:8]) + (", ..." if len(bad) > 8 else "")
-            per_token = tuple(n for n, lay in CODECS.items() if not (lay.keys.BLOCKED or lay.values.BLOCKED))
-            raise ValueError(
-                f"{name} hold a non-finite value (inf or NaN) at token{'s' if len(bad) > 1 else ''} {at} of this "
-                f"cache, which this update would code: codec={codec!r} stores {name} per channel over blocks of "
-                f"{block} tokens with one scale and bias each, where a non-finite token would spread over its block "
-                f"or be hidden. Non-finite {name} usually mean the model overflowed (float16 activations): run it in "
-                f"bfloat16 or float32, or use a per-token codec {per_token}, which keeps such a token to itself. The "
-                "cache is unchanged.")
 
 FLOAT16_MAX = 65504.0
 
@@ -192,11 +167,6 @@ class PerTokenLayout(FittedParams):
         if len(chunks) == 1:
             return dict(chunks[0])
         return {f: mx.concatenate([c[f] for c in chunks], axis=TOKEN_AXIS) for f in chunks[0]}
-
-    def new_store(self, step: int):
-        from veloxquant_mlx.cache._token_store import TokenStore
-
-        return TokenStore(step)
 
     def token_fields(self) -> Dict[str, Tuple[Tuple[int, ...], mx.Dtype]]:
         raise NotImplementedError(f"{type(self).__name__} must declare token_fields()")

@@ -24,7 +24,6 @@ import mlx.core as mx
 
 from veloxquant_mlx.codecs._common import clamp_to, packed_matmul_ok
 from veloxquant_mlx.codecs._dequant import dequantize
-from veloxquant_mlx.codecs._stores import ColumnStore
 from veloxquant_mlx.codecs.affine import FIELDS, AffineRotatedCodec
 from veloxquant_mlx.codecs.contract import CodeField
 from veloxquant_mlx.validate import check_heads
@@ -46,8 +45,6 @@ class AffineBlockKeyCodec(AffineRotatedCodec):
     def token_block(self) -> int:
         return self.block
 
-    def new_store(self, step: int) -> ColumnStore:
-        return ColumnStore(self)
 
     def n_tokens(self, codes: Dict[str, mx.array]) -> int:
         return codes["scales"].shape[-1] * self.block if codes else 0

@@ -34,7 +34,7 @@ from veloxquant_mlx.core.context import EncodedVector
 from veloxquant_mlx.dsa.bit_pack import packed_words
 from veloxquant_mlx.quantizers import QUANTIZERS
 from veloxquant_mlx.quantizers._common import store_norms, unit_and_norm
-from veloxquant_mlx.validate import check_heads, check_int
+from veloxquant_mlx.validate import check_heads, check_int, check_outlier_channels
 
 GROUPS = ("o", "i")  # stored order: outlier channels first, then the inliers
 
@@ -155,9 +155,7 @@ class LloydMaxCodec(PerTokenLayout):
     def __init__(self, method: str, d: int, bits: int, *, seed: int = 0, rotation: str = "haar",
                  jl_dim: Optional[int] = None, n_outliers: int = 0, outlier_bits: int = 8, center: bool = True):
         self.d, self.bits = check_int("d", d, 2), check_int("bits", bits, 1, 8)
-        if n_outliers and not (2 <= n_outliers <= d - 2):
-            raise ValueError(f"n_outlier_channels must be 0 or in 2..head_dim-2 = 2..{d - 2} (each channel group "
-                             f"needs >= 2 coordinates), got {n_outliers}")
+        check_outlier_channels("n_outlier_channels", n_outliers, self.d, min_group=2)
         self.method, self.seed, self.rotation, self.jl_dim = method, int(seed), rotation, jl_dim
         self.n_outliers, self.outlier_bits, self.center = int(n_outliers), int(outlier_bits), bool(center)
         # Group name -> (width, bits, seed offset). "i": inlier channels, "o": outlier channels.

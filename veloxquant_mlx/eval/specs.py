@@ -10,7 +10,7 @@ from typing import Callable, Dict, List, Optional
 
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from veloxquant_mlx.cache.builder import make_prompt_cache
+from veloxquant_mlx.integration import make_prompt_cache
 from veloxquant_mlx.options import BUDGETS, PRESETS, SINK_TOKENS, CacheOptions  # noqa: F401 (SINK_TOKENS: re-exported)
 
 CacheFactory = Callable[[object], list]
