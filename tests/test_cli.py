@@ -158,7 +158,7 @@ def test_demo_small(smollm2, capsys, tmp_path, attention_on_codes):
 def test_real_subprocess(tmp_path):
     env = dict(os.environ)
     ok = subprocess.run(
-        [sys.executable, "-m", "veloxquant_mlx.cli", "plan", "--layers", "30", "--kv-heads", "3",
+        [sys.executable, "-m", "veloxquant_mlx", "plan", "--layers", "30", "--kv-heads", "3",
          "--head-dim", "64", "--ram-gb", "2"],
         capture_output=True, text=True, cwd=ROOT, env=env, timeout=120,
     )
@@ -166,7 +166,7 @@ def test_real_subprocess(tmp_path):
     row = next(l for l in ok.stdout.splitlines() if l.startswith("kv "))
     assert int(row.split()[-1].replace(",", "")) == 2 * 2**30 // (30 * 2 * 3 * 64 * 4)  # float32 K+V, 30 layers
     bad = subprocess.run(
-        [sys.executable, "-m", "veloxquant_mlx.cli", "generate", "--prompt", "x", "--bits", "-1"],
+        [sys.executable, "-m", "veloxquant_mlx", "generate", "--prompt", "x", "--bits", "-1"],
         capture_output=True, text=True, cwd=ROOT, env=env, timeout=120,
     )
     assert bad.returncode != 0

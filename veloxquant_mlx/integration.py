@@ -382,25 +382,47 @@ class KVCacheBuilder:
         return caches
 
     def _convert(self, cache, options, placeholders: bool = True):
-        kind = type(cache)
-        if kind is mlx_cache.KVCache:
-            if options.kind == "rvq":
-                return TurboQuantRVQKVCache(dataclasses.replace(options, method="turboquant_rvq").kv_config())
-            return TurboQuantPackedCache(options, fetch_placeholders=placeholders)
-        if kind is mlx_cache.RotatingKVCache:
-            if options.kind == "rvq":
-                raise ValueError(
-                    "kind='rvq' has no sliding-window variant; this model has RotatingKVCache layers: use kind='packed'")
-            # Only tokens the window keeps forever (its ``keep`` prefix) can be exact sink tokens.
-            changes = {"sink": min(options.sink, cache.keep)}
-            if codec_layout(options.codec).keys.BLOCKED:  # block keys cannot be evicted a token at a time
-                # a block codec's group_size is its key block in tokens, not a per-token group of coordinates
-                changes.update(codec="affine", group_size=None)
-            return TurboQuantRotatingPackedCache(dataclasses.replace(options, **changes), max_size=cache.max_size,
-                                                 keep=cache.keep, fetch_placeholders=placeholders)
-        if kind is mlx_cache.CacheList:
+        if type(cache) is mlx_cache.CacheList:
             return mlx_cache.CacheList(*(self._convert(c, options, placeholders) for c in cache.caches))
-        return cache  # SSM / arrays / chunked caches stay the model's own
+        convert = CACHE_KINDS.get(type(cache))
+        return cache if convert is None else convert(cache, options, placeholders)  # SSM / arrays: the model's own
+
+
+def _full_attention(cache, options, placeholders: bool):
+    """mlx_lm's ``KVCache`` -> a packed cache (or the seed's RVQ cache with ``kind="rvq"``)."""
+    if options.kind == "rvq":
+        return TurboQuantRVQKVCache(dataclasses.replace(options, method="turboquant_rvq").kv_config())
+    return TurboQuantPackedCache(options, fetch_placeholders=placeholders)
+
+
+def _sliding_window(cache, options, placeholders: bool):
+    """mlx_lm's ``RotatingKVCache`` -> a packed window of the same ``max_size`` / ``keep``."""
+    if options.kind == "rvq":
+        raise ValueError("kind='rvq' has no sliding-window variant; this model has RotatingKVCache layers: use "
+                         "kind='packed'")
+    # Only tokens the window keeps forever (its ``keep`` prefix) can be exact sink tokens.
+    changes = {"sink": min(options.sink, cache.keep)}
+    if codec_layout(options.codec).keys.BLOCKED:  # block keys cannot be evicted a token at a time
+        # a block codec's group_size is its key block in tokens, not a per-token group of coordinates
+        changes.update(codec="affine", group_size=None)
+    return TurboQuantRotatingPackedCache(dataclasses.replace(options, **changes), max_size=cache.max_size,
+                                         keep=cache.keep, fetch_placeholders=placeholders)
+
+
+# The cache kinds: mlx_lm's cache class a model makes -> ``convert(cache, options, placeholders)`` giving ours.
+# A new kind is one module (its cache class, a face over `veloxquant_mlx.cache.rows.Rows`, and its conversion)
+# plus `register_cache_kind` (tests/test_new_cache_kind.py does exactly that).
+CACHE_KINDS: Dict[type, Callable] = {mlx_cache.KVCache: _full_attention, mlx_cache.RotatingKVCache: _sliding_window}
+
+
+def register_cache_kind(mlx_class: type, convert: Callable, *classes: type) -> None:
+    """Build ``convert(cache, options, placeholders)`` for every ``mlx_class`` layer of a model, and know
+    ``classes`` by name in prompt-cache files (`mlx_lm_cache_classes`, `load_prompt_cache`)."""
+    global CACHE_CLASSES
+    if not isinstance(mlx_class, type) or not callable(convert):
+        raise TypeError("register_cache_kind needs an mlx_lm cache class and a conversion function")
+    CACHE_KINDS[mlx_class] = convert
+    CACHE_CLASSES = CACHE_CLASSES + tuple(c for c in classes if c not in CACHE_CLASSES)
 
 
 def make_prompt_cache(model, config=None, *, max_kv_size: Optional[int] = None, route_attention: bool = True,

@@ -32,7 +32,8 @@ from mlx.utils import tree_unflatten
 from mlx_lm.models import cache as mlx_cache
 
 from veloxquant_mlx._version import __version__
-from veloxquant_mlx.integration import CACHE_CLASSES, TurboQuantRVQKVCache, mlx_lm_cache_classes
+from veloxquant_mlx import integration
+from veloxquant_mlx.integration import TurboQuantRVQKVCache, mlx_lm_cache_classes
 
 VERSION_KEY = "__veloxquant_mlx_version__"
 # Per layer, the meta_state of caches whose from_state needs one (the seed's TurboQuantRVQKVCache: its state is
@@ -113,7 +114,7 @@ def _read_meta_states(metadata: dict, n_layers: int, path: str) -> list:
 
 def _classes_by_name() -> dict:
     names = {n: c for n, c in vars(mlx_cache).items() if isinstance(c, type) and hasattr(c, "from_state")}
-    names.update({c.__name__: c for c in CACHE_CLASSES})
+    names.update({c.__name__: c for c in integration.CACHE_CLASSES})  # (kinds registered later included)
     return names
 
 
