@@ -601,3 +601,33 @@ def test_generate_command_batches_several_prompts(smollm2, capsys, tmp_path, bat
     assert batched_attention["attend_packed"] >= len(smollm2[0].layers) * 7
     rc = main(["generate", "--prompt", "a", "--prompt", "b", "--method", "mlx-q4"])  # mlx_lm's 4-bit cannot batch
     assert rc != 0 and "cannot batch several prompts" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["affine_block-k8v4", "lloyd_max-k4v4"])
+def test_a_configuration_first_used_in_one_thread_works_in_another(name):
+    """mlx_lm.server generates in its own thread, after the main thread built (and used) caches of the same
+    configuration: MLX arrays belong to the stream of the thread that made them, so nothing made in one thread may
+    be handed to another (it failed: "There is no Stream(cpu, 0) in current thread", the server's generation died)."""
+    import threading
+
+    options = CONFIGS[name]
+    here = TurboQuantPackedCache.merge([TurboQuantPackedCache(options), TurboQuantPackedCache(options)])
+    with use_packed_attention():
+        here.update_and_fetch(*(mx.zeros((2, H, 3, D)) for _ in range(2)))
+    errors = []
+
+    def generation_thread():
+        try:
+            with use_packed_attention():
+                rows = [TurboQuantPackedCache(options) for _ in range(2)]
+                rows[0].update_and_fetch(*_stream(70, seed=1))
+                batch = TurboQuantPackedCache.merge(rows)
+                batch.update_and_fetch(*(mx.zeros((2, H, 1, D)) for _ in range(2)))
+                mx.eval([v for v in batch.state.values() if isinstance(v, mx.array)])
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    t = threading.Thread(target=generation_thread)
+    t.start()
+    t.join()
+    assert not errors, errors

@@ -58,7 +58,7 @@ def test_bits_count_the_exact_tokens_a_blocked_cache_holds():
     cache = spec.make_cache(_Stub(3))[0]
     x = mx.random.normal((1, 3, 2048, 64))
     cache.update_and_fetch(x, x)
-    n_exact = cache.sink_store.length + cache.tail.length
+    n_exact = cache.rows.sink_n[0] + cache.rows.tail_n[0]
     assert n_exact > 8 and cache.n_coded + n_exact == 2048
     fitted = 2 * 3 * 64 * 4 * 8  # per-head float32 means of keys and values, in bits
     expected = (cache.n_coded * (4 + 0.5) + n_exact * 32 + fitted / (3 * 2 * 64)) / 2048

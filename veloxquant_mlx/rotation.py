@@ -113,6 +113,7 @@ class Rotation:
         if self._matrix is None:
             # Pi^T = apply(I), so Pi = apply(I)^T
             self._matrix = mx.contiguous(self.apply(mx.eye(self.d)).T)
+            mx.eval(self._matrix)  # (shared by every thread, see _shared_rotation)
         return self._matrix
 
     def _check(self, x, name):
@@ -159,4 +160,7 @@ def make_rotation(d: int, seed: int = 0, kind: str = "haar") -> Rotation:
 
 @lru_cache(maxsize=64)
 def _shared_rotation(d: int, seed: int, kind: str) -> Rotation:
-    return Rotation(d, seed, kind)
+    rotation = Rotation(d, seed, kind)
+    # shared by every thread: evaluated now (a lazy array belongs to the stream of the thread that made it)
+    mx.eval([a for a in vars(rotation).values() if isinstance(a, mx.array)])
+    return rotation

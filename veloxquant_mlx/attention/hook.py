@@ -51,6 +51,7 @@ def placeholder_history(shape, dtype) -> mx.array:
     zero = _zeros.get(key)
     if zero is None:
         zero = _zeros[key] = mx.zeros((1,) * len(shape), dtype=dtype)
+        mx.eval(zero)  # shared by every thread (a lazy array belongs to the stream of the thread that made it)
     out = mx.broadcast_to(zero, shape)
     _last_placeholders[key] = (shape, out)
     return out

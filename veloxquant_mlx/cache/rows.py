@@ -20,6 +20,7 @@ faces over a `Rows`: a single sequence, a batch (mlx_lm's BatchGenerator), eithe
 from __future__ import annotations
 
 import copy
+import threading
 from typing import Dict, List, Optional, Sequence
 
 import mlx.core as mx
@@ -53,7 +54,8 @@ _LAYOUTS: Dict[tuple, tuple] = {}
 
 def _layouts(options, dims, heads):
     """(base codecs, code layouts, blank fitted arrays) of one configuration: the same for every layer and merge."""
-    key = (options, dims, heads)
+    # per thread: MLX arrays belong to the stream of the thread that made them (mlx_lm.server generates in its own)
+    key = (options, dims, heads, threading.get_ident())
     hit = _LAYOUTS.get(key)
     if hit is None:
         base = codec_layout(options.codec).make(options, *dims)
