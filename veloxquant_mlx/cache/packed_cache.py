@@ -221,11 +221,9 @@ class TurboQuantPackedCache(_PackedFace):
             raise ValueError("attend_packed needs a cache holding tokens (call update_and_fetch first)")
         self._awaiting_attention = False
         if not isinstance(queries, mx.array) or queries.ndim != 4 or queries.shape[0] == 1 or \
-                queries.shape[0] != self.rows.B:  # (bad queries: packed_attention names them)
+                queries.shape[0] != self.rows.B:  # (one sequence; bad queries: packed_attention names them)
             return packed_attention(queries, self.attention_parts(), scale, mask, sinks=sinks)
         B, Hq, L, d = queries.shape
-        if False:  # (a batch mismatch: packed_attention names it)
-            return packed_attention(queries, self.attention_parts(), scale, mask, sinks=sinks)
         if isinstance(mask, mx.array):  # sequences in lockstep: fold them into the heads
             mask = mx.broadcast_to(mask, (B, Hq) + mask.shape[-2:]).reshape(1, B * Hq, *mask.shape[-2:])
         out = packed_attention(queries.reshape(1, B * Hq, L, d), self.attention_parts(), scale, mask,

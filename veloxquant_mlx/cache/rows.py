@@ -541,7 +541,8 @@ class Rows:
         one = self.B == 1
         if self.sink_n[i]:
             n = self.sink_n[i]
-            parts.append(ExactPart(*(a[:, :, :n] if one else a[i:i + 1, :, :n] for a in (self.sink["k"], self.sink["v"]))))
+            parts.append(ExactPart(*((a if n == a.shape[2] else a[:, :, :n]) if one else a[i:i + 1, :, :n]
+                                     for a in (self.sink["k"], self.sink["v"]))))
         coded, gone = self.coded[i], self.gone[i]
         for lo, hi in ([(0, min(self.pin, coded)), (self.pin + gone, coded)] if gone else [(0, coded)]):
             if hi > lo:
