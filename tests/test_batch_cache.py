@@ -439,7 +439,8 @@ def test_sliding_window_model_batched_equals_each_prompt_alone(batched_attention
     try:
         prompts = [PROMPTS[i] for i in (0, 2, 4, 5, 6)]
         got, caches = _batched_logits(model, prompts, STEPS[:30])
-        assert {type(c).__name__ for c in caches} == {"TurboQuantBatchPackedCache", "TurboQuantBatchRotatingPackedCache"}
+        assert {type(c).__name__ for c in caches} == {"TurboQuantBatchPackedCache",
+                                                      "TurboQuantBatchRotatingPackedCache"}
         for i, p in enumerate(prompts):
             want, _ = _alone_logits(model, p, STEPS[:30])
             _assert_same_greedy(want, got[i], tol=0.1)
@@ -521,7 +522,8 @@ def test_batch_generator_with_sequences_joining_and_leaving(model, batched_atten
             _assert_same_greedy(lp, np.stack(logprobs[uid]), tol=1e-2)
             assert got[uid] == tokens
             assert all(type(c) is single for c in finished[uid]), finished[uid]
-            assert [c.offset for c in finished[uid]] == [len(p) + m] * 2, (len(p), m)  # the last token was fed (the next step runs ahead)
+            # the last token was fed (the next step runs ahead)
+            assert [c.offset for c in finished[uid]] == [len(p) + m] * 2, (len(p), m)
             if case.startswith("window"):
                 assert all((c.sink, c.keep) == (2, 4) for c in finished[uid])
     finally:

@@ -15,7 +15,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
-from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models import llama
 
 import veloxquant_mlx as vq

@@ -140,7 +140,8 @@ def routes_model(model) -> bool:
 
 
 def _mlx_lm_modules():
-    return [m for name, m in list(sys.modules.items()) if m is not None and (name == "mlx_lm" or name.startswith("mlx_lm."))]
+    return [m for name, m in list(sys.modules.items())
+            if m is not None and (name == "mlx_lm" or name.startswith("mlx_lm."))]
 
 
 def install() -> None:

@@ -43,7 +43,8 @@ def _check_pair(keys, values, k_dim: Optional[int], v_dim: Optional[int]) -> Non
     check_heads("keys", keys, k_dim)
     check_heads("values", values, v_dim)
     if keys.shape[:3] != values.shape[:3]:
-        raise ValueError(f"keys and values must agree on (B, H, T): keys {tuple(keys.shape)}, values {tuple(values.shape)}")
+        raise ValueError(f"keys and values must agree on (B, H, T): keys {tuple(keys.shape)}, "
+                         f"values {tuple(values.shape)}")
     if keys.shape[2] == 0:
         raise ValueError("keys and values must hold at least one token (T >= 1), got T = 0")
 
@@ -282,7 +283,8 @@ class TurboQuantPackedCache(_PackedFace):
         arrays = per_row[0] if r.B == 1 else {  # sequences in lockstep: their arrays share every shape
             name: {f: mx.concatenate([p[name][f] for p in per_row], axis=0) for f in per_row[0][name]}
             for name in per_row[0]}
-        for prefix, name in zip(_state.single_prefixes(r.block), ("sink", "tail", "k_codes", "v_codes", "k_fit", "v_fit")):
+        names = ("sink", "tail", "k_codes", "v_codes", "k_fit", "v_fit")
+        for prefix, name in zip(_state.single_prefixes(r.block), names):
             out.update({prefix + f: a for f, a in arrays[name].items()})
         return out
 
@@ -525,8 +527,9 @@ class TurboQuantBatchPackedCache(_PackedFace):
             if n:
                 o = packed_attention(queries[i:i + 1, :, a:a + n], self.rows.row_parts(i), scale,
                                      self._chunk_mask(n, before[i]), sinks=sinks)
+            pad = T - a - n
             pieces = [x for x in (mx.zeros((1, Hq, a, dv), queries.dtype) if a else None, o,
-                                  mx.zeros((1, Hq, T - a - n, dv), queries.dtype) if T - a - n else None) if x is not None]
+                                  mx.zeros((1, Hq, pad, dv), queries.dtype) if pad else None) if x is not None]
             outs.append(pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2))
         return mx.concatenate(outs, axis=0)
 

@@ -64,8 +64,8 @@ def _layouts(options, dims, heads):
                 if a.shape[0] != heads:
                     raise ValueError(f"codec={options.codec!r}: fitted array {name!r} of shape {tuple(a.shape)} is "
                                      f"not per head ({heads} heads), so sequences cannot be batched")
-        layouts = tuple({f: (c.axis, c.units, tuple(c.block_shape), c.dtype) for f, c in codec.code_layout(heads).items()}
-                        for codec in base)
+        layouts = tuple({f: (c.axis, c.units, tuple(c.block_shape), c.dtype)
+                         for f, c in codec.code_layout(heads).items()} for codec in base)
         hit = _LAYOUTS[key] = (base, layouts, tuple(c.blank_fitted(heads) for c in base))
     return hit
 
@@ -218,7 +218,8 @@ class Rows:
     def setup(self, k_dim: int, v_dim: int, heads: int) -> None:
         """Make the codecs and their stores once the head dims are known (first update, or a restore)."""
         if self.options.head_dim is not None and self.options.head_dim != k_dim:
-            raise ValueError(f"keys have head_dim {k_dim}, but the cache was set up for head_dim={self.options.head_dim}")
+            raise ValueError(f"keys have head_dim {k_dim}, but the cache was set up for "
+                             f"head_dim={self.options.head_dim}")
         self.base, layouts, _ = _layouts(self.options, (k_dim, v_dim), heads)
         self.dims, self.heads = (k_dim, v_dim), heads
         # With block keys, values arrive a whole block at a time: growing by one block keeps their store exactly
@@ -305,7 +306,8 @@ class Rows:
         """Row r's next ``s[r]`` real tokens (chunk positions from ``lead[r]``) join its sink: one gather."""
         S = self.options.sink
         if self.sink is None:
-            self.sink = {n: mx.zeros((self.B, self.heads, S, x.shape[-1]), x.dtype) for n, x in (("k", keys), ("v", values))}
+            self.sink = {n: mx.zeros((self.B, self.heads, S, x.shape[-1]), x.dtype)
+                         for n, x in (("k", keys), ("v", values))}
         slot = mx.arange(S, dtype=mx.int32).reshape(1, 1, S, 1)
         old, lo = column(self.sink_n), column(lead)
         src = mx.clip(slot - old + lo, 0, keys.shape[2] - 1)
@@ -659,7 +661,8 @@ def concat_rows(parts: Sequence[Rows]) -> Rows:
             blank = _layouts(out.options, dims, heads)[2][which]
             rows = [p.fitted_rows(which) if p.dims is not None else
                     {n: mx.concatenate([a] * p.B, axis=0) for n, a in blank.items()} for p in parts]
-            codec = out.base[which].with_fitted({n: cat([r[n] for r in rows]) for n in blank}) if blank else out.base[which]
+            codec = out.base[which].with_fitted({n: cat([r[n] for r in rows]) for n in blank}) if blank \
+                else out.base[which]
         out.k_codec, out.v_codec = (codec, out.v_codec) if which == 0 else (out.k_codec, codec)
     return out
 
