@@ -26,7 +26,7 @@ TARGETS = {
     # install/uninstall of the packed-attention hook become no-ops: caches fall back to decoding
     "attention_off": ["veloxquant_mlx.integration:install", "veloxquant_mlx.integration:uninstall"],
     # the keys a cache stores are replaced by random normals of the same shape and scale
-    "random_keys": ["veloxquant_mlx.cache.packed_cache:TurboQuantPackedCache._append",
+    "random_keys": ["veloxquant_mlx.cache.rows:Rows.append",
                     "veloxquant_mlx.cache.turboquant_cache:TurboQuantKVCache.append_key"],
     # quantizers and affine codecs code with one bit-width fewer than asked (the next lower one for affine)
     "bits_lower": ["veloxquant_mlx.quantizers.turboquant_mse:TurboQuantMSE.__init__",
@@ -35,7 +35,7 @@ TARGETS = {
     # the model loader raises
     "loader_raises": ["veloxquant_mlx.models.loader:load_model"],
     # nbytes reports half of what is stored
-    "nbytes_half": ["veloxquant_mlx.cache.packed_cache:TurboQuantPackedCache.nbytes"],
+    "nbytes_half": ["veloxquant_mlx.cache.rows:Rows.nbytes"],
     # the server's request checks pass everything through
     "server_checks_off": ["veloxquant_mlx.server:check_request"],
 }
