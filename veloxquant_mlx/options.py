@@ -194,7 +194,7 @@ class CacheOptions:
 # (benchmarks/probe_quality.py) and fixed garbled chat answers. "tq-affine": the TurboQuant rotation with MLX's
 # affine codes instead of the Lloyd-Max codebook, keys per channel over 64-token blocks ("affine_block"): the fastest
 # attention on codes. 8-bit codes: MLX's CPU quantized matmul runs faster on byte-aligned codes, and keys carry most
-# of the attention error: near-lossless, and (k8v8) decoding faster than the plain float32 cache on CPU.
+# of the attention error: near-lossless (decode speed against the plain cache: BENCHMARKS.md).
 SINK_TOKENS = 4
 
 
