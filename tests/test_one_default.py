@@ -52,8 +52,7 @@ def test_enable_uses_the_default():
 
 
 def test_make_prompt_cache_uses_the_default():
-    # Needs the builder (veloxquant_mlx.integration.KVCacheBuilder) to resolve with options.resolve_options, whose
-    # rule gives DEFAULT when nothing is given; with packed_cache.resolve_options it builds CacheOptions().
+    # the builder (integration.KVCacheBuilder) resolves through options.resolve_options: nothing given is DEFAULT
     caches = vq.make_prompt_cache(tiny_llama(), route_attention=False)
     assert len(caches) == 2
     assert {layer_form(c.options) for c in caches} == {layer_form(DEFAULT)}
