@@ -109,14 +109,6 @@ class TokenStore:
         """Bytes held by the buffers, spare step capacity included (what occupies memory)."""
         return sum(buf.nbytes for buf in self.buffers.values())
 
-    @property
-    def live_nbytes(self) -> int:
-        """Bytes of the live tokens only (what a saved file or a tight allocation would hold)."""
-        cap = self.capacity
-        if cap == 0:
-            return 0
-        return sum(buf.nbytes // cap * self.length for buf in self.buffers.values())
-
     # -- copying and (de)serialising ------------------------------------------------------------
     def copy(self) -> "TokenStore":
         """An independent copy: later writes to either store do not show in the other."""

@@ -354,13 +354,12 @@ class Rows:
             return
         self.tail.append({"k": keys, "v": values})
         self.tail_n = [t + r for t, r in zip(self.tail_n, rest)]
-        if True:
-            view, L = self.tail.view(), self.tail.length
-            valid = mx.arange(L, dtype=mx.int32).reshape(1, 1, L, 1) >= L - column(self.tail_n)
-            by = mx.array(shift, dtype=mx.int32)[:, None]
-            self.tail.load({n: mx.where(valid, dynamic_roll(a, by, axis=2) if any(shift) else a, 0)
-                            for n, a in view.items()})
-            self.drop_tail_padding()
+        view, L = self.tail.view(), self.tail.length
+        valid = mx.arange(L, dtype=mx.int32).reshape(1, 1, L, 1) >= L - column(self.tail_n)
+        by = mx.array(shift, dtype=mx.int32)[:, None]
+        self.tail.load({n: mx.where(valid, dynamic_roll(a, by, axis=2) if any(shift) else a, 0)
+                        for n, a in view.items()})
+        self.drop_tail_padding()
 
     def _code_tail(self) -> None:
         """Rows code their oldest whole blocks beyond the exact window and the trim headroom (fitted first, on
@@ -403,6 +402,12 @@ class Rows:
                     cuts[i] = (kept, t)
         if cuts:
             self._cut_tail(cuts)
+        g = min(self.gone, default=0)
+        if g >= CODE_STEP and self.k_codes is not None:  # every row has evicted a step: drop it (one copy)
+            for store in (self.k_codes, self.v_codes):
+                store.drop(self.pin, self.pin + g)
+            self.gone = [x - g for x in self.gone]
+            self.coded = [x - g for x in self.coded]
 
     def _cut_tail(self, cuts: Dict[int, tuple]) -> None:
         """Row i drops ``t`` tail tokens after its first ``kept`` ones (``cuts[i] = (kept, t)``); tails stay
@@ -428,12 +433,6 @@ class Rows:
             for i, (_, t) in cuts.items():
                 self.tail_n[i] -= t
         self.drop_tail_padding()
-        g = min(self.gone, default=0)
-        if g >= CODE_STEP and self.k_codes is not None:  # every row has evicted a step: drop it (one copy)
-            for store in (self.k_codes, self.v_codes):
-                store.drop(self.pin, self.pin + g)
-            self.gone = [x - g for x in self.gone]
-            self.coded = [x - g for x in self.coded]
 
     def trim(self, n: int) -> None:
         """Drop the ``n`` newest tokens of a single sequence (tail first, then codes, then sink)."""
