@@ -251,7 +251,8 @@ def main(argv=None):
     for name in ("prompt", "chunk", "decode", "repeats"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
-    print(f"BLAS: {blas_name()}; machine: {machine()}", flush=True)
+    from veloxquant_mlx.attention import kernel as attention_kernel
+    print(f"BLAS: {blas_name()}; machine: {machine()}; attention on codes: {attention_kernel.status()[1]}", flush=True)
     if args.fill == "plain":
         print("--fill plain is a DIAGNOSTIC mode (caches filled from the plain cache's keys, no real prefill): its "
               "ratios are not what users run; quote the default --fill prefill", flush=True)
@@ -342,7 +343,8 @@ def main(argv=None):
     if "step" in loops:
         print_paired(rows)
     out = {"model": args.model, "prompt": args.prompt, "chunk": args.chunk, "decode": args.decode, "fill": args.fill,
-           "repeats": args.repeats, "loops": loops, "blas": blas_name(), "machine": machine(), "rows": rows}
+           "repeats": args.repeats, "loops": loops, "blas": blas_name(), "machine": machine(),
+           "attention_path": attention_kernel.status()[1], "rows": rows}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=2)

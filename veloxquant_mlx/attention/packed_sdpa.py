@@ -31,6 +31,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
+from veloxquant_mlx.attention import kernel
 from veloxquant_mlx.attention.exp2 import LOG2E, exp2_nonpositive
 from veloxquant_mlx.codecs._common import f32, packed_matmul_ok
 from veloxquant_mlx.codecs.contract import check_codec
@@ -350,7 +351,19 @@ def attend_one_query(queries: mx.array, parts: Sequence[Part], scale: float, sin
     per layer through `packed_attention`, ~80 us in a first version of this function, ~57 us written with one pass
     over the parts and ``mx.split`` (this CPU, SmolLM2 shapes, batch 1, one run each). Histories of at most
     `DECODE_SOFTMAX_TOKENS` tokens take one fused ``mx.softmax`` (`_short_softmax_values`).
+
+    Affine codes on the CPU run the compiled kernel (`veloxquant_mlx.attention.kernel`) when it is built; this
+    function's MLX ops below are its reference (tests/test_kernel.py) and its fallback.
     """
+    out = kernel.decode_step(queries, parts, scale, sinks, masks)
+    if out is not None:
+        return out
+    return reference_one_query(queries, parts, scale, sinks, masks)
+
+
+def reference_one_query(queries: mx.array, parts: Sequence[Part], scale: float, sinks: Optional[mx.array] = None,
+                        masks: Optional[Sequence[Optional[mx.array]]] = None) -> mx.array:
+    """`attend_one_query` in plain MLX ops (the reference of the compiled kernel)."""
     B, Hq, _, d = queries.shape
     coded, exact, n = [], [], 0
     for i, p in enumerate(parts):

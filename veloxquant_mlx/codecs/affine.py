@@ -21,6 +21,7 @@ import mlx.core as mx
 from veloxquant_mlx.codecs._common import (PerTokenLayout, clamp_all_to, clamp_to, f32, finite_channel_mean,
                                            packed_matmul_ok)
 from veloxquant_mlx.codecs._dequant import dequantize
+from veloxquant_mlx.codecs.contract import AffineCodes
 from veloxquant_mlx.rotation import ROTATION_KINDS, make_rotation
 from veloxquant_mlx.validate import check_bool, check_choice, check_heads, check_int
 
@@ -159,6 +160,11 @@ class AffineRotatedCodec(PerTokenLayout):
     # -- attention on codes -----------------------------------------------------------------------
     def decoded_offset(self) -> Optional[mx.array]:
         return self.mean
+
+    def affine_codes(self, codes: Dict[str, mx.array]) -> Optional[AffineCodes]:
+        """The codes as MLX affine fields per token (what the compiled attention reads)."""
+        w, s, b = codes["w_q"], codes["scales"], codes["biases"]
+        return AffineCodes(w, s, b, self.bits, self.group_size, False, self.rotation.matrix, self.mean)
 
     def scores(self, q: mx.array, codes: Dict[str, mx.array], packed_rows: Optional[int] = None) -> mx.array:
         q_rot = self.rotation.apply(q)

@@ -25,7 +25,7 @@ import mlx.core as mx
 from veloxquant_mlx.codecs._common import clamp_to, packed_matmul_ok
 from veloxquant_mlx.codecs._dequant import dequantize
 from veloxquant_mlx.codecs.affine import FIELDS, AffineRotatedCodec
-from veloxquant_mlx.codecs.contract import CodeField
+from veloxquant_mlx.codecs.contract import AffineCodes, CodeField
 from veloxquant_mlx.validate import check_heads
 
 # Query rows per KV head above which decoding once + BLAS beats the transpose=False quantized matmul on CPU.
@@ -117,6 +117,11 @@ class AffineBlockKeyCodec(AffineRotatedCodec):
     # -- attention on codes -----------------------------------------------------------------------
     def decoded_offset(self) -> Optional[mx.array]:
         return None  # Pi mu is folded into the biases
+
+    def affine_codes(self, codes: Dict[str, mx.array]) -> Optional[AffineCodes]:
+        """``X^T`` fields, groups along tokens; the mean is in the biases."""
+        return AffineCodes(codes["w_q"], codes["scales"], codes["biases"], self.bits, self.block, True,
+                           self.rotation.matrix)
 
     def scores(self, q: mx.array, codes: Dict[str, mx.array], packed_rows: Optional[int] = None) -> mx.array:
         q_rot = self.rotation.apply(q)

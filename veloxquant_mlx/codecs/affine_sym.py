@@ -24,6 +24,7 @@ import mlx.core as mx
 
 from veloxquant_mlx.codecs._common import f32
 from veloxquant_mlx.codecs.affine import AFFINE_GROUP_SIZES, AffineRotatedCodec
+from veloxquant_mlx.codecs.contract import AffineCodes
 from veloxquant_mlx.validate import check_heads
 
 SYM_FIELDS = ("w_q", "scales")
@@ -84,3 +85,8 @@ class AffineSymValueCodec(AffineRotatedCodec):
             raise ValueError(f"codes must hold {SYM_FIELDS}, missing {missing}")
         s = f32(codes["scales"])
         return codes["w_q"], s, -self.zero * s
+
+    def affine_codes(self, codes: Dict[str, mx.array]) -> Optional[AffineCodes]:
+        """Symmetric fields per token: no biases, ``x = scale * (code - zero)``."""
+        return AffineCodes(codes["w_q"], codes["scales"], None, self.bits, self.group_size, False,
+                           self.rotation.matrix, self.mean, self.zero)

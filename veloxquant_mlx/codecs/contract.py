@@ -46,6 +46,30 @@ class CodeField:
         return tuple(shape)
 
 
+@dataclass(frozen=True)
+class AffineCodes:
+    """Codes in MLX's affine format, as a compiled attention reads them (`Codec.affine_codes`, optional member).
+
+    ``w``: uint32 words of ``bits``-bit fields (a little-endian bit stream); ``scales`` / ``biases``: one per
+    ``group`` fields; ``biases`` None means symmetric levels (``x = scale * (code - zero)``). ``tokens_last``:
+    ``w`` is ``(B, H, d, n*bits/32)`` with groups along tokens, else ``(B, H, n, d*bits/32)`` with groups along
+    channels. ``levels``: None, or a codebook ``(2**bits,)`` float32 that each code indexes first (Lloyd-Max codes:
+    ``x = scale * levels[code]``). A decoded vector is ``Pi^T y + mean`` (``rotation``: the ``(d, d)`` Pi,
+    ``mean``: None or per head ``(heads, d)`` float32); for keys, scores are ``(Pi q) . y + q . mean``.
+    """
+
+    w: mx.array
+    scales: mx.array
+    biases: Optional[mx.array]
+    bits: int
+    group: int
+    tokens_last: bool
+    rotation: mx.array
+    mean: Optional[mx.array] = None
+    zero: float = 0.0
+    levels: Optional[mx.array] = None
+
+
 @runtime_checkable
 class Codec(Protocol):
     """One code layout (FAISS's ``compute_codes`` / ``decode`` / query-to-code distances, for MLX caches)."""

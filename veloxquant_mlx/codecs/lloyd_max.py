@@ -30,6 +30,7 @@ import numpy as np
 
 from veloxquant_mlx.codecs._common import PerTokenLayout, clamp_to, f32, finite_channel_mean
 from veloxquant_mlx.codecs._levels import CodePacker, LevelDecoder, interleave
+from veloxquant_mlx.codecs.contract import AffineCodes
 from veloxquant_mlx.core.context import EncodedVector
 from veloxquant_mlx.dsa.bit_pack import packed_words
 from veloxquant_mlx.quantizers import QUANTIZERS
@@ -91,6 +92,14 @@ def _fast_terms(quant) -> Optional[Tuple[_Term, ...]]:
     else:
         return None
     return tuple(terms) if all(t.decoder.exact for t in terms) else None
+
+
+@functools.lru_cache(maxsize=None)
+def _codebook_levels(quant) -> mx.array:
+    """A TurboQuant-MSE quantizer's codebook levels as a float32 array ``(2**bits,)`` (shared, evaluated once)."""
+    levels = mx.array(np.asarray(quant.codebook.centroids_np, dtype=np.float32))
+    mx.eval(levels)
+    return levels
 
 
 @functools.lru_cache(maxsize=None)
@@ -351,6 +360,19 @@ class LloydMaxCodec(PerTokenLayout):
         if self.mean is not None:  # q . mu: one number per query row
             s = s + q @ mx.expand_dims(self.mean.astype(mx.float32), -1)[None]
         return s
+
+    def affine_codes(self, codes: Dict[str, mx.array]) -> Optional[AffineCodes]:
+        """TurboQuant-MSE codes without outlier channels as codebook fields per token (one norm per token, levels
+        from the codebook): what the compiled attention reads. None for Prod / RVQ codes or outlier channels."""
+        if self.method != "turboquant_mse" or self.n_outliers or self.d not in (32, 64, 128):
+            return None
+        quant = self.quantizers["i"]
+        if "i_indices" not in codes or "i_norms" not in codes:
+            return None
+        levels = _codebook_levels(quant)
+        mean = None if self.mean is None else self.mean.astype(mx.float32)
+        return AffineCodes(codes["i_indices"], mx.expand_dims(codes["i_norms"], -1), None, self.bits, self.d, False,
+                           quant.rotation.matrix, mean, 0.0, levels)
 
     def weighted_sum(self, p: mx.array, codes: Dict[str, mx.array], packed_rows: Optional[int] = None,
                      with_offset: bool = True) -> mx.array:

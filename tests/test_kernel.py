@@ -1,0 +1,262 @@
+"""The compiled attention on codes (`veloxquant_mlx.attention.kernel`) against its pure-MLX reference.
+
+`packed_sdpa.reference_one_query` is the reference: every codec layout the kernel reads (the codecs offering
+``affine_codes``), at several bit widths, head dims, GQA groups, batches with pad slots, exact sink and tail tokens,
+attention-sink logits and scale dtypes, agrees with it to 1e-5 of the output's magnitude in float32. The fallback
+(kernel off, missing, built against another MLX, failing its first-use check) runs the reference with one warning,
+and a model decodes the same logits either way. CI builds the kernel (scripts/setup.sh), so it must be available.
+"""
+from __future__ import annotations
+
+import warnings
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from veloxquant_mlx.attention import kernel
+from veloxquant_mlx.attention.packed_sdpa import CodedPart, ExactPart, attend_one_query, reference_one_query
+from veloxquant_mlx.codecs import CODECS
+from veloxquant_mlx.options import CacheOptions
+
+# layouts the kernel reads: keys and values both offer affine_codes
+KERNEL_LAYOUTS = [name for name, lay in CODECS.items()
+                  if hasattr(lay.keys, "affine_codes") and hasattr(lay.values, "affine_codes")]
+
+
+def test_the_kernel_is_built_and_used_here():
+    """CI and scripts/setup.sh build it: a silent fallback would hide a broken build."""
+    ok, what = kernel.status()
+    assert ok, what
+    assert "compiled kernel" in what
+
+
+def test_kernel_layouts_are_the_affine_ones():
+    assert set(KERNEL_LAYOUTS) == {"affine", "affine_block", "affine_block_kv", "affine_block_kv_mse", "kblock_vsym",
+                                   "lloyd_max", "kblock_vlloyd"}
+
+
+def _parts(codec: str, bits: int, n: int, *, B=1, H=2, R=3, d=64, exact=True, seed=0, group_size=None,
+           scale_dtype=None, **options):
+    o = CacheOptions(codec=codec, k_bits=bits, v_bits=bits, group_size=group_size, **options).layer_options()
+    kc, vc = CODECS[codec].make(o, d, d)
+    if scale_dtype is not None:
+        for c in (kc, vc):
+            c.scale_dtype = {"float32": mx.float32, "bfloat16": mx.bfloat16}[scale_dtype]
+    keys = [mx.random.normal((B, H, n, d), key=mx.random.key(seed + i)) for i in range(2)]
+    k, v = keys[0] * 1.5 + 0.7, keys[1]
+    kc.fit(k)
+    vc.fit(v)
+    parts = [CodedPart(kc, kc.encode(k), vc, vc.encode(v))]
+    if exact:
+        e = [mx.random.normal((B, H, m, d), key=mx.random.key(seed + 10 + m)) for m in (4, 7)]
+        parts = [ExactPart(e[0], e[0] * 0.5)] + parts + [ExactPart(e[1], -e[1])]
+    q = mx.random.normal((B, H * R, 1, d), key=mx.random.key(seed + 99)) * 2
+    return q, parts
+
+
+def _close(out, ref, tol=1e-5):
+    out, ref = np.array(out), np.array(ref)
+    assert out.shape == ref.shape
+    scale = float(np.abs(ref).max())
+    np.testing.assert_allclose(out, ref, rtol=tol, atol=tol * scale)
+
+
+def _kernel(q, parts, scale=0.125, sinks=None, masks=None):
+    out = kernel.decode_step(q, parts, scale, sinks, masks)
+    assert out is not None, "the kernel declined a case it reads"
+    return out
+
+
+CASES = [(c, b) for c in KERNEL_LAYOUTS for b in (2, 3, 4, 8) if b in CODECS[c].keys.BITS and b in CODECS[c].values.BITS
+         and not (c in ("lloyd_max", "kblock_vlloyd") and b == 8)]  # (8-bit Lloyd-Max: a 256-level codebook, slow fit)
+
+
+@pytest.mark.parametrize("codec,bits", CASES)
+@pytest.mark.parametrize("n_blocks", [1, 9])
+def test_parity_per_layout_and_bits(codec, bits, n_blocks):
+    block = 128 if codec in ("kblock_vsym", "kblock_vlloyd") else 64
+    gs = 128 if codec in ("kblock_vsym", "kblock_vlloyd") else None
+    q, parts = _parts(codec, bits, n_blocks * block, group_size=gs, seed=bits)
+    _close(_kernel(q, parts), reference_one_query(q, parts, 0.125))
+
+
+@pytest.mark.parametrize("d,R", [(32, 1), (64, 4), (128, 2)])
+@pytest.mark.parametrize("codec", ["affine", "affine_block"])
+def test_parity_head_dims_and_gqa_groups(d, R, codec):
+    q, parts = _parts(codec, 4, 256 if codec == "affine" else 128, d=d, R=R, seed=d)
+    _close(_kernel(q, parts, d ** -0.5), reference_one_query(q, parts, d ** -0.5))
+
+
+@pytest.mark.parametrize("codec", ["affine_block", "kblock_vsym", "affine", "lloyd_max"])
+def test_parity_batch_pad_slots_sinks_and_no_exact_tokens(codec):
+    """A batch's per-row valid slots (masks per part, as the batch cache passes them), attention-sink logits
+    (per query head, and tiled per row as a folded batch passes them), and a history of codes only."""
+    gs = 128 if codec == "kblock_vsym" else None
+    B, H, R = 3, 2, 2
+    q, parts = _parts(codec, 4, 640 if codec != "kblock_vsym" else 768, B=B, H=H, R=R, group_size=gs, seed=5)
+    rng = np.random.default_rng(3)
+    masks = []
+    for p in parts:
+        m = rng.random((B, H, 1, p.length)) < 0.6
+        m[..., 0] = True  # every row sees a token of every part
+        masks.append(mx.array(m))
+    masks[0] = None  # a part every row fills
+    sinks = mx.random.normal((H * R,), key=mx.random.key(4))
+    _close(_kernel(q, parts, 0.2, sinks, masks), reference_one_query(q, parts, 0.2, sinks, masks))
+    _close(_kernel(q, parts, 0.2, sinks), reference_one_query(q, parts, 0.2, sinks))
+    coded_only = [p for p in parts if isinstance(p, CodedPart)]
+    _close(_kernel(q, coded_only, 0.2), reference_one_query(q, coded_only, 0.2))
+    # folded batch: B rows as B*H heads of one row, sinks tiled per row
+    qf = q.reshape(1, B * H * R, 1, q.shape[-1])
+    fold = lambda a: a.reshape(1, B * H, *a.shape[2:])  # noqa: E731
+    kc, vc = coded_only[0].k_codec, coded_only[0].v_codec
+    for c in (kc, vc):
+        if getattr(c, "mean", None) is not None:
+            c.mean = mx.tile(c.mean, (B, 1))  # folded codecs hold per-row means (B*H, d)
+    folded = [CodedPart(kc, {k: fold(a) for k, a in coded_only[0].k_arrays.items()}, vc,
+                        {k: fold(a) for k, a in coded_only[0].v_arrays.items()})]
+    st = mx.tile(sinks, (B,))
+    _close(_kernel(qf, folded, 0.2, st), reference_one_query(qf, folded, 0.2, st))
+
+
+@pytest.mark.parametrize("scale_dtype", ["float32", "bfloat16"])
+def test_parity_scale_dtypes(scale_dtype):
+    q, parts = _parts("affine", 4, 96, scale_dtype=scale_dtype)
+    _close(_kernel(q, parts), reference_one_query(q, parts, 0.125))
+
+
+def test_parity_long_history_split_over_threads():
+    """Long histories are split into chunks across the worker threads and merged: same result."""
+    q, parts = _parts("affine_block", 8, 64 * 70, H=3, R=3, seed=11)
+    _close(_kernel(q, parts), reference_one_query(q, parts, 0.125))
+
+
+def test_declines_what_it_does_not_read():
+    """TurboQuant-Prod keys, outlier channels, two coded parts, per-query-row masks: None (the caller runs the
+    reference)."""
+    q, parts = _parts("lloyd_max", 4, 64, method="turboquant_prod")
+    assert kernel.decode_step(q, parts, 0.125) is None
+    q, parts = _parts("lloyd_max", 4, 64, n_outlier_channels=8)
+    assert kernel.decode_step(q, parts, 0.125) is None
+    q, parts = _parts("affine_block", 8, 64, exact=False)
+    assert kernel.decode_step(q, parts + parts, 0.125) is None
+    m = mx.ones((1, 2, 3, 64), dtype=mx.bool_)
+    assert kernel.decode_step(q, parts, 0.125, masks=[m]) is None
+
+
+def test_raw_op_refuses_bad_arrays_with_a_clear_error():
+    """Misshaped codes reach the C++ op's checks: a ValueError, never a crash."""
+    mod = kernel._load()
+    eye = mx.eye(32)
+    q = mx.zeros((1, 1, 1, 32))
+    kw, ks, kb = mx.quantize(mx.zeros((1, 1, 32, 64)), group_size=64, bits=8)
+    vw, vs, vb = mx.quantize(mx.zeros((1, 1, 64, 32)), group_size=32, bits=4)
+    e = mx.zeros((1, 1, 0, 32))
+    with pytest.raises(ValueError, match="keys"):
+        mod.coded_decode_attention(q, eye, eye, kw, ks[..., :0], kb, True, 8, 64, vw, vs, vb, False, 4, 32, 0.0,
+                                   e, e, None, None, None, None, None)
+    with pytest.raises(ValueError, match="values"):
+        mod.coded_decode_attention(q, eye, eye, kw, ks, kb, True, 8, 64, vw[:, :, :10], vs, vb, False, 4, 32, 0.0,
+                                   e, e, None, None, None, None, None)
+    with pytest.raises(ValueError, match="q must be float32"):
+        mod.coded_decode_attention(q.astype(mx.float16), eye, eye, kw, ks, kb, True, 8, 64, vw, vs, vb, False, 4,
+                                   32, 0.0, e, e, None, None, None, None, None)
+
+
+# -- the fallback -------------------------------------------------------------------------------------------------
+@pytest.fixture
+def fresh_kernel_state(monkeypatch):
+    """The module's load state, restored afterwards."""
+    for name in ("_module", "_reason", "_warned"):
+        monkeypatch.setattr(kernel, name, getattr(kernel, name))
+    yield
+
+
+def test_turned_off_runs_the_reference_exactly():
+    q, parts = _parts("affine_block", 8, 128)
+    previous = kernel.set_enabled(False)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # turned off on purpose: no warning
+            out = attend_one_query(q, parts, 0.125)
+        assert kernel.status()[0] is False and "turned off" in kernel.status()[1]
+    finally:
+        kernel.set_enabled(previous)
+    assert mx.array_equal(out, reference_one_query(q, parts, 0.125))
+    with pytest.raises(TypeError, match="flag"):
+        kernel.set_enabled("yes")
+
+
+def test_missing_or_mismatched_module_falls_back_with_one_warning(fresh_kernel_state, monkeypatch):
+    import sys
+    import types
+
+    fake = types.ModuleType("veloxquant_mlx.attention._coded_attention")
+    fake.built_with_mlx = "0.0.1"
+    monkeypatch.setitem(sys.modules, "veloxquant_mlx.attention._coded_attention", fake)
+    monkeypatch.setattr(kernel, "_module", None)
+    monkeypatch.setattr(kernel, "_reason", None)
+    monkeypatch.setattr(kernel, "_warned", False)
+    q, parts = _parts("affine_block", 8, 128)
+    with pytest.warns(RuntimeWarning, match="built against MLX 0.0.1"):
+        out = attend_one_query(q, parts, 0.125)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one warning, not one per step
+        attend_one_query(q, parts, 0.125)
+    assert mx.array_equal(out, reference_one_query(q, parts, 0.125))
+    assert kernel.status()[0] is False and "rebuild" in kernel.status()[1]
+
+
+def test_a_module_that_computes_garbage_is_refused(fresh_kernel_state, monkeypatch):
+    import sys
+    import types
+
+    fake = types.ModuleType("veloxquant_mlx.attention._coded_attention")
+    fake.built_with_mlx = mx.__version__
+    fake.coded_decode_attention = lambda q, *a: mx.zeros((1, 2, 2, 32))
+    monkeypatch.setitem(sys.modules, "veloxquant_mlx.attention._coded_attention", fake)
+    monkeypatch.setattr(kernel, "_module", None)
+    monkeypatch.setattr(kernel, "_reason", None)
+    monkeypatch.setattr(kernel, "_warned", True)
+    assert kernel._load() is None
+    assert "first-use check" in kernel._reason
+
+
+# -- through a model ----------------------------------------------------------------------------------------------
+def test_a_model_decodes_the_same_logits_with_and_without_the_kernel(tiny_model, monkeypatch):
+    """The default cache (8-bit block keys, 4-bit values, exact sink) through a prefill and decode steps: the
+    kernel runs (counted) and the logits match the reference path's."""
+    from veloxquant_mlx.integration import make_prompt_cache, use_packed_attention
+
+    ran = []
+    real = kernel.decode_step
+
+    def counted(*a, **k):
+        out = real(*a, **k)
+        ran.append(out is not None)
+        return out
+
+    monkeypatch.setattr(kernel, "decode_step", counted)
+    prompt = mx.array([[(7 * i) % 128 for i in range(300)]])
+
+    def run():
+        cache = make_prompt_cache(tiny_model)
+        logits = []
+        with use_packed_attention():
+            out = tiny_model(prompt, cache=cache)
+            tok = mx.argmax(out[:, -1], axis=-1)[:, None]
+            for _ in range(6):
+                out = tiny_model(tok, cache=cache)
+                logits.append(out[:, -1])
+                tok = mx.argmax(out[:, -1], axis=-1)[:, None]
+        return mx.stack(logits)
+
+    with_kernel = run()
+    assert ran and all(ran)
+    previous = kernel.set_enabled(False)
+    try:
+        without = run()
+    finally:
+        kernel.set_enabled(previous)
+    np.testing.assert_allclose(np.array(with_kernel), np.array(without), rtol=1e-4, atol=1e-4)

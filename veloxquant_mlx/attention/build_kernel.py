@@ -1,0 +1,96 @@
+"""Builds the compiled attention on codes (``csrc/coded_attention.cpp``) against the installed MLX.
+
+Run by ``pip install -e .`` / ``scripts/setup.sh`` (setup.py's build_ext) and by hand::
+
+    python -m veloxquant_mlx.attention.build_kernel [--verbose]
+
+Needs CMake (>= 3.20), a C++20 compiler and nanobind at the version the installed MLX was built with (its Python
+binding and ours must share nanobind's ABI: MLX 0.32 is built with nanobind 3.1.0; another version builds but
+its module cannot take ``mlx.core.array``). The module lands beside this file (``_coded_attention*.so``) and
+records the MLX version it was built against; `veloxquant_mlx.attention.kernel` refuses it under another one.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+import mlx
+import mlx.core as mx
+
+HERE = Path(__file__).resolve().parent
+SOURCE_DIR = HERE / "csrc"
+
+# MLX minor version -> the nanobind release its Python module was built with (a mismatch breaks the array type).
+NANOBIND_FOR_MLX = {"0.32": "3.1.0"}
+
+
+class KernelBuildError(RuntimeError):
+    """The compiled kernel could not be built (the reason is in the message)."""
+
+
+def required_nanobind(mlx_version: str) -> Optional[str]:
+    return NANOBIND_FOR_MLX.get(".".join(mlx_version.split(".")[:2]))
+
+
+def _check_tools() -> tuple:
+    try:
+        import nanobind  # a build-time dependency only (pyproject's build-system, scripts/setup.sh)
+    except ImportError as e:
+        raise KernelBuildError(f"building the kernel needs nanobind installed ({e})") from None
+    want = required_nanobind(mx.__version__)
+    if want is not None and nanobind.__version__ != want:
+        raise KernelBuildError(f"MLX {mx.__version__} is built with nanobind {want}; nanobind "
+                               f"{nanobind.__version__} is installed (pip install nanobind=={want})")
+    cmake = shutil.which("cmake")
+    if cmake is None:
+        raise KernelBuildError("cmake is not installed (pip install cmake, or the system's package)")
+    return mx.__version__, Path(mlx.__path__[0]), Path(nanobind.cmake_dir()), cmake
+
+
+def build(out_dir: Optional[Path] = None, build_dir: Optional[Path] = None, verbose: bool = False) -> Path:
+    """Configure and build the module into ``out_dir`` (default: this package); returns its path.
+
+    Raises KernelBuildError with the reason (missing tool, wrong nanobind, compiler error with its output)."""
+    mlx_version, mlx_dir, nb_dir, cmake = _check_tools()
+    out_dir = Path(out_dir or HERE).resolve()
+    build_dir = Path(build_dir or (HERE.parent.parent / "build" / f"kernel-py{sys.version_info[0]}{sys.version_info[1]}"))
+    build_dir.mkdir(parents=True, exist_ok=True)
+    arch = "-march=native" if platform.machine() in ("x86_64", "AMD64") else ""
+    configure = [cmake, "-S", str(SOURCE_DIR), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
+                 f"-DPython_EXECUTABLE={sys.executable}", f"-Dnanobind_ROOT={nb_dir}",
+                 f"-DMLX_ROOT={mlx_dir / 'share' / 'cmake' / 'MLX'}", f"-DMLX_LIB_DIR={mlx_dir / 'lib'}",
+                 f"-DVELOXQUANT_OUT_DIR={out_dir}", f"-DVELOXQUANT_ARCH_FLAGS={arch}"]
+    jobs = str(max(os.cpu_count() or 1, 1))
+    for cmd in (configure, [cmake, "--build", str(build_dir), "--config", "Release", "-j", jobs]):
+        run = subprocess.run(cmd, capture_output=not verbose, text=True)
+        if run.returncode:
+            tail = "" if verbose else (run.stdout + run.stderr)[-3000:]
+            raise KernelBuildError(f"{' '.join(cmd[:3])} ... failed (exit {run.returncode}) building against MLX "
+                                   f"{mlx_version}:\n{tail}")
+    built = sorted(out_dir.glob("_coded_attention*.so")) + sorted(out_dir.glob("_coded_attention*.pyd"))
+    if not built:
+        raise KernelBuildError(f"the build finished but left no _coded_attention module in {out_dir}")
+    return built[-1]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--verbose", action="store_true", help="show CMake's and the compiler's output")
+    args = ap.parse_args(argv)
+    try:
+        path = build(verbose=args.verbose)
+    except KernelBuildError as e:
+        print(f"veloxquant kernel: not built: {e}", file=sys.stderr)
+        return 1
+    print(f"veloxquant kernel: built {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

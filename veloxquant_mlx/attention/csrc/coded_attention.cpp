@@ -1,0 +1,851 @@
+// Attention of one decode query per row over a KV history held as affine codes: one MLX primitive, CPU.
+//
+// The pure-MLX reference is veloxquant_mlx.attention.packed_sdpa.attend_one_query; this computes the same
+// softmax in one pass over the codes (tests/test_kernel.py checks them against each other). Per (row, KV head)
+// g and chunk of coded tokens: rotate the queries into the keys' domain, decode a tile of key codes to float,
+// score, update an online softmax (base 2: queries arrive pre-multiplied by scale / ln 2), decode the tile's
+// values and accumulate them; the exact tokens (sink, tail) are one more task in the plain domain. Partial
+// results merge per g; the coded sum is rotated back and the value mean added once.
+//
+// Code layouts (MLX's affine format: b-bit fields in a little-endian bit stream of uint32 words, per group
+// x = scale * q + bias, or for symmetric values x = scale * (q - zero)):
+//   tokens_first: w (G, n, d*b/32), scales/biases (G, n, d/group)       groups along channels, per token
+//   tokens_last:  w (G, d, n*b/32), scales/biases (G, d, n/group)       groups along tokens, per channel
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/variant.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include "mlx/allocator.h"
+#include "mlx/array.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+#include "mlx/utils.h"
+#include "mlx/version.h"
+
+namespace nb = nanobind;
+using namespace mlx::core;
+
+namespace vq {
+
+constexpr int TILE = 32;          // tokens decoded at a time; divides every affine group (32, 64, 128)
+constexpr int PREFETCH_TILES = 4;  // tiles of transposed key codes fetched ahead
+constexpr int MAX_R = 16;         // query heads per KV head handled by one task
+constexpr int MAX_D = 256;        // head dim
+constexpr float NEG = -3.4028234663852886e+38f;  // masked score: finite, as the reference's
+
+// ------------------------------------------------------------------------------------------------
+// small thread pool: the calling thread plus (threads - 1) workers, tasks claimed from a counter
+// ------------------------------------------------------------------------------------------------
+class Pool {
+ public:
+  explicit Pool(int threads) {
+    for (int i = 1; i < threads; ++i) workers_.emplace_back([this] { work(); });
+  }
+  ~Pool() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : workers_) t.join();
+  }
+  int size() const { return int(workers_.size()) + 1; }
+
+  void run(int ntasks, const std::function<void(int)>& f) {
+    if (workers_.empty() || ntasks <= 1) {
+      for (int i = 0; i < ntasks; ++i) f(i);
+      return;
+    }
+    std::unique_lock<std::mutex> call(call_mu_);  // one parallel region at a time
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      job_ = &f;
+      ntasks_ = ntasks;
+      next_.store(0);
+      busy_ = int(workers_.size());
+      ++generation_;
+    }
+    cv_.notify_all();
+    drain();
+    std::unique_lock<std::mutex> lock(mu_);
+    done_cv_.wait(lock, [this] { return busy_ == 0; });
+    job_ = nullptr;
+  }
+
+ private:
+  void drain() {
+    for (int i = next_.fetch_add(1); i < ntasks_; i = next_.fetch_add(1)) (*job_)(i);
+  }
+  void work() {
+    uint64_t seen = 0;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
+        if (stop_) return;
+        seen = generation_;
+      }
+      drain();
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (--busy_ == 0) done_cv_.notify_one();
+      }
+    }
+  }
+  std::vector<std::thread> workers_;
+  std::mutex mu_, call_mu_;
+  std::condition_variable cv_, done_cv_;
+  const std::function<void(int)>* job_ = nullptr;
+  int ntasks_ = 0, busy_ = 0;
+  std::atomic<int> next_{0};
+  uint64_t generation_ = 0;
+  bool stop_ = false;
+};
+
+int default_threads() {
+  if (const char* env = std::getenv("VELOXQUANT_KERNEL_THREADS")) {
+    int n = std::atoi(env);
+    if (n >= 1) return n;
+  }
+  unsigned hw = std::thread::hardware_concurrency();
+  return hw ? int(std::min(hw, 64u)) : 1;
+}
+
+Pool& pool() {
+  static Pool p(default_threads());
+  return p;
+}
+
+// ------------------------------------------------------------------------------------------------
+// reading codes
+// ------------------------------------------------------------------------------------------------
+// 2**t for t <= 0: t = i + f with i = round(t), |f| <= 1/2, 2**f = e**x (x = f ln 2, |x| <= 0.347) by its
+// Taylor series to x**6 (relative error ~1e-7), 2**i written into the float's exponent bits.
+inline float exp2_nonpositive(float t) {
+  t = std::max(t, -126.0f);
+  float i = (t + 12582912.0f) - 12582912.0f;  // round to nearest (|t| < 2**22): 1.5 * 2**23 drops the fraction
+  float x = (t - i) * 0.6931471805599453f;
+  float p = 1.0f + x * (1.0f + x * (0.5f + x * (0.16666667f + x * (0.041666668f + x * (0.008333334f +
+            x * 0.0013888889f)))));
+  int32_t bits = (int32_t(i) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+enum class ScaleType { f16, bf16, f32 };
+
+// Scales and biases are read per channel per block and per token: conversions in one or two instructions.
+inline float load_scale(const void* p, ScaleType dt, int64_t i) {
+  if (dt == ScaleType::f16) {
+#if defined(__F16C__)
+    return _cvtsh_ss(static_cast<const uint16_t*>(p)[i]);
+#else
+    return float(static_cast<const float16_t*>(p)[i]);
+#endif
+  }
+  if (dt == ScaleType::bf16) {
+    uint32_t bits = uint32_t(static_cast<const uint16_t*>(p)[i]) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  }
+  return static_cast<const float*>(p)[i];
+}
+
+// Field i of a little-endian stream of b-bit fields starting at byte pointer p.
+inline uint32_t field(const uint8_t* p, int64_t i, int bits) {
+  int64_t bit = i * bits;
+  const uint8_t* q = p + (bit >> 3);
+  int sh = int(bit & 7);
+  uint32_t v = uint32_t(q[0]) >> sh;
+  if (sh + bits > 8) v |= uint32_t(q[1]) << (8 - sh);
+  return v & ((1u << bits) - 1u);
+}
+
+// `units` units of BITS bytes, 8 codes each (3- and 5-bit codes), as integers.
+template <int BITS>
+inline void unpack_units(const uint8_t* q, int units, uint8_t* out) {
+  for (int j = 0; j < units; ++j, q += BITS) {
+    uint64_t u = 0;
+    std::memcpy(&u, q, BITS);  // (a constant size: inlined)
+    for (int i = 0; i < 8; ++i) out[8 * j + i] = uint8_t((u >> (i * BITS)) & ((1u << BITS) - 1u));
+  }
+}
+
+// n consecutive fields from field `first` as integers. Fast paths read whole units (a unit of b bytes holds 8
+// codes of b bits, or 4 of 6 bits) when `first` and n are whole units.
+inline void unpack(const uint8_t* p, int64_t first, int n, int bits, uint8_t* out) {
+  if (bits == 8) {
+    std::memcpy(out, p + first, size_t(n));
+  } else if (bits == 4 && (first & 1) == 0 && (n & 1) == 0) {
+    const uint8_t* q = p + first / 2;
+    for (int j = 0; j < n / 2; ++j) {
+      out[2 * j] = q[j] & 15u;
+      out[2 * j + 1] = q[j] >> 4;
+    }
+  } else if (bits == 2 && (first & 3) == 0 && (n & 3) == 0) {
+    const uint8_t* q = p + first / 4;
+    for (int j = 0; j < n / 4; ++j) {
+      uint32_t b = q[j];
+      out[4 * j] = b & 3u;
+      out[4 * j + 1] = (b >> 2) & 3u;
+      out[4 * j + 2] = (b >> 4) & 3u;
+      out[4 * j + 3] = uint8_t(b >> 6);
+    }
+  } else if ((bits == 3 || bits == 5) && (first & 7) == 0 && (n & 7) == 0) {
+    if (bits == 3) unpack_units<3>(p + (first / 8) * 3, n / 8, out);
+    else unpack_units<5>(p + (first / 8) * 5, n / 8, out);
+  } else if (bits == 6 && (first & 3) == 0 && (n & 3) == 0) {
+    const uint8_t* q = p + (first / 4) * 3;
+    for (int j = 0; j < n / 4; ++j, q += 3) {
+      uint32_t u = uint32_t(q[0]) | (uint32_t(q[1]) << 8) | (uint32_t(q[2]) << 16);
+      for (int i = 0; i < 4; ++i) out[4 * j + i] = uint8_t((u >> (6 * i)) & 63u);
+    }
+  } else {
+    for (int j = 0; j < n; ++j) out[j] = uint8_t(field(p, first + j, bits));
+  }
+}
+
+// n consecutive fields from field `first` as floats.
+inline void fields(const uint8_t* p, int64_t first, int n, int bits, float* out) {
+  if (bits == 8) {
+    const uint8_t* q = p + first;
+    for (int j = 0; j < n; ++j) out[j] = float(q[j]);
+    return;
+  }
+  alignas(64) uint8_t codes[256];
+  unpack(p, first, n, bits, codes);
+  for (int j = 0; j < n; ++j) out[j] = float(codes[j]);
+}
+
+// A (B, H, rows, cols) array's element (g = b * H + h, row, 0): views (slices of a cache's buffers) keep their
+// strides; the last axis is contiguous.
+struct View {
+  const uint8_t* base = nullptr;
+  int64_t sb = 0, sh = 0, srow = 0;  // strides in bytes
+  int64_t H = 1;
+  const uint8_t* at(int64_t g, int64_t row) const { return base + (g / H) * sb + (g % H) * sh + row * srow; }
+  // Head g's rows (the division once per task, not per row).
+  struct Head {
+    const uint8_t* p;
+    int64_t srow;
+    const uint8_t* row(int64_t r) const { return p + r * srow; }
+  };
+  Head head(int64_t g) const { return Head{base ? at(g, 0) : nullptr, srow}; }
+};
+
+View view(const array& a) {
+  View v;
+  v.base = a.data<uint8_t>();
+  int64_t item = a.itemsize();
+  v.sb = a.strides(0) * item;
+  v.sh = a.strides(1) * item;
+  v.srow = a.strides(2) * item;
+  v.H = a.shape(1);
+  return v;
+}
+
+struct Codes {
+  View w, scales, biases;           // biases.base null: symmetric levels, bias = -zero * scale
+  ScaleType dtype = ScaleType::f32;  // of scales and biases
+  const float* levels = nullptr;    // codebook levels per code (Lloyd-Max), else the code itself
+  bool tokens_last = false;
+  int bits = 8, group = 64, d = 64;
+  float zero = 0.0f;
+
+  // n code values from field `first` of a row: the codes themselves, or their codebook levels.
+  void values(const uint8_t* row, int64_t first, int n, float* out) const {
+    if (!levels) return fields(row, first, n, bits, out);
+    alignas(64) uint8_t codes[256];
+    unpack(row, first, n, bits, codes);
+    for (int j = 0; j < n; ++j) out[j] = levels[codes[j]];
+  }
+
+  // Tokens [t0, t0 + nt) of head g decoded (nt <= TILE): CHANNEL_MAJOR writes out[c * TILE + tt] (keys, scored
+  // along tokens), else out[tt * d + c] (values, summed along channels). Strides are compile-time constants so
+  // the natural pairing (tokens-last keys, tokens-first values) runs as contiguous vector loops.
+  template <bool CHANNEL_MAJOR>
+  void decode(int64_t g, int64_t t0, int nt, float* out) const {
+    const auto W = w.head(g), S = scales.head(g), Bs = biases.head(g);
+    alignas(64) float tmp[MAX_D > TILE ? MAX_D : TILE];
+    if (tokens_last) {  // per channel c (row c): nt consecutive fields, inside one group (TILE divides it)
+      int64_t blk = t0 / group;
+      for (int c = 0; c < d; ++c) {
+        values(W.row(c), t0, nt, tmp);
+        float s = load_scale(S.row(c), dtype, blk);
+        float b = biases.base ? load_scale(Bs.row(c), dtype, blk) : -zero * s;
+        if (CHANNEL_MAJOR) {
+          float* o = out + c * TILE;
+          for (int tt = 0; tt < nt; ++tt) o[tt] = s * tmp[tt] + b;
+        } else {
+          for (int tt = 0; tt < nt; ++tt) out[tt * d + c] = s * tmp[tt] + b;
+        }
+      }
+    } else {  // per token t (row t): d consecutive fields, d / group groups
+      int groups = d / group;
+      for (int tt = 0; tt < nt; ++tt) {
+        int64_t t = t0 + tt;
+        values(W.row(t), 0, d, tmp);
+        for (int k = 0; k < groups; ++k) {
+          float s = load_scale(S.row(t), dtype, k);
+          float b = biases.base ? load_scale(Bs.row(t), dtype, k) : -zero * s;
+          const float* src = tmp + k * group;
+          if (CHANNEL_MAJOR) {
+            for (int c = 0; c < group; ++c) out[(k * group + c) * TILE + tt] = s * src[c] + b;
+          } else {
+            float* o = out + tt * d + k * group;
+            for (int c = 0; c < group; ++c) o[c] = s * src[c] + b;
+          }
+        }
+      }
+    }
+  }
+};
+
+// ------------------------------------------------------------------------------------------------
+// the computation
+// ------------------------------------------------------------------------------------------------
+struct Problem {
+  int64_t G = 0, n = 0, ne = 0;
+  int R = 1, d = 64, dv = 64;
+  const float *q = nullptr, *pk = nullptr, *pv = nullptr;
+  const float *kmu = nullptr, *vmu = nullptr;  // (mu_rows, d): per g or per KV head (g % mu_rows)
+  int64_t kmu_rows = 0, vmu_rows = 0;
+  Codes k, v;
+  View ek, ev;                                  // exact keys / values (B, H, ne, d) float32
+  const uint8_t *cmask = nullptr, *emask = nullptr;
+  const float* sinks = nullptr;  // (G, R), log2 units
+  float* out = nullptr;
+};
+
+// One task's online-softmax state for R query rows: running max m, sum l, unnormalized output o (R x dv).
+struct Partial {
+  float m[MAX_R], l[MAX_R];
+  float* o = nullptr;
+  bool coded = false;
+};
+
+// ---- tile kernels: rows of a query group in blocks of up to 3 (accumulators stay in vector registers) ----
+constexpr int ROW_BLOCK = 3;
+
+// s[r * TILE + tt] = base[r] + sum_c qs[r * d + c] * kt[c * TILE + tt] for RB rows.
+template <int RB>
+inline void score_rows(const float* qs, const float* base, const float* kt, int d, float* s) {
+  alignas(64) float acc[RB][TILE];
+  for (int r = 0; r < RB; ++r)
+    for (int tt = 0; tt < TILE; ++tt) acc[r][tt] = base[r];
+  for (int c = 0; c < d; ++c) {
+    const float* kc = kt + c * TILE;
+    for (int r = 0; r < RB; ++r) {
+      float q = qs[r * d + c];
+      for (int tt = 0; tt < TILE; ++tt) acc[r][tt] += q * kc[tt];
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int tt = 0; tt < TILE; ++tt) s[r * TILE + tt] = acc[r][tt];
+}
+
+inline void score_tile(int R, const float* qs, const float* base, const float* kt, int d, float* s) {
+  for (int r0 = 0; r0 < R; r0 += ROW_BLOCK) {
+    int rb = std::min(ROW_BLOCK, R - r0);
+    const float *q = qs + r0 * d, *b = base + r0;
+    float* out = s + r0 * TILE;
+    if (rb == 3) score_rows<3>(q, b, kt, d, out);
+    else if (rb == 2) score_rows<2>(q, b, kt, d, out);
+    else score_rows<1>(q, b, kt, d, out);
+  }
+}
+
+// o[r * ldo + c] += sum_tt w[r * TILE + tt] * x[tt * ldx + c] for RB rows, c in [c0, c1).
+template <int RB>
+inline void weighted_rows(const float* w, const float* x, int ldx, int nt, float* o, int ldo, int c0, int c1) {
+  int c = c0;
+  for (; c + 16 <= c1; c += 16) {
+    alignas(64) float acc[RB][16];
+    for (int r = 0; r < RB; ++r)
+      for (int j = 0; j < 16; ++j) acc[r][j] = o[r * ldo + c + j];
+    for (int tt = 0; tt < nt; ++tt) {
+      const float* xt = x + tt * ldx + c;
+      for (int r = 0; r < RB; ++r) {
+        float p = w[r * TILE + tt];
+        for (int j = 0; j < 16; ++j) acc[r][j] += p * xt[j];
+      }
+    }
+    for (int r = 0; r < RB; ++r)
+      for (int j = 0; j < 16; ++j) o[r * ldo + c + j] = acc[r][j];
+  }
+  for (; c < c1; ++c)
+    for (int r = 0; r < RB; ++r) {
+      float acc = o[r * ldo + c];
+      for (int tt = 0; tt < nt; ++tt) acc += w[r * TILE + tt] * x[tt * ldx + c];
+      o[r * ldo + c] = acc;
+    }
+}
+
+inline void weighted_tile(int R, const float* w, const float* x, int ldx, int nt, float* o, int ldo, int c0, int c1) {
+  for (int r0 = 0; r0 < R; r0 += ROW_BLOCK) {
+    int rb = std::min(ROW_BLOCK, R - r0);
+    const float* wr = w + r0 * TILE;
+    float* orow = o + r0 * ldo;
+    if (rb == 3) weighted_rows<3>(wr, x, ldx, nt, orow, ldo, c0, c1);
+    else if (rb == 2) weighted_rows<2>(wr, x, ldx, nt, orow, ldo, c0, c1);
+    else weighted_rows<1>(wr, x, ldx, nt, orow, ldo, c0, c1);
+  }
+}
+
+// Online softmax over a tile's scores s[r * TILE + tt] (base 2): updates m and l, rescales o, leaves the tile's
+// weights 2**(s - m) in s.
+inline void softmax_tile(Partial& P, int R, int nt, int dv, float* s) {
+  for (int r = 0; r < R; ++r) {
+    float* sr = s + r * TILE;
+    float mt = P.m[r];
+    for (int tt = 0; tt < nt; ++tt) mt = std::max(mt, sr[tt]);
+    float alpha = exp2_nonpositive(P.m[r] - mt);
+    float sum = 0.0f;
+    for (int tt = 0; tt < nt; ++tt) {
+      sr[tt] = exp2_nonpositive(sr[tt] - mt);
+      sum += sr[tt];
+    }
+    for (int tt = nt; tt < TILE; ++tt) sr[tt] = 0.0f;
+    P.m[r] = mt;
+    P.l[r] = P.l[r] * alpha + sum;
+    if (alpha != 1.0f) {
+      float* o = P.o + r * dv;
+      for (int c = 0; c < dv; ++c) o[c] *= alpha;
+    }
+  }
+}
+
+// Online-softmax update of a partial with a tile of scores s[r * TILE + tt] and values vals[tt * dv + c].
+inline void absorb(Partial& P, int R, int nt, int dv, float* s, const float* vals) {
+  softmax_tile(P, R, nt, dv, s);
+  weighted_tile(R, s, vals, dv, nt, P.o, dv, 0, dv);
+}
+
+void init_partial(Partial& P, int R, int dv, bool coded) {
+  for (int r = 0; r < R; ++r) {
+    P.m[r] = NEG;
+    P.l[r] = 0.0f;
+  }
+  std::fill(P.o, P.o + R * dv, 0.0f);
+  P.coded = coded;
+}
+
+void coded_task(const Problem& pr, int64_t g, int64_t t_begin, int64_t t_end, Partial& P) {
+  const int R = pr.R, d = pr.d, dv = pr.dv;
+  init_partial(P, R, dv, true);
+  // queries in the keys' rotated domain (q_rot = Pk q), and q . mu_k (per-token keys store x - mu)
+  alignas(64) float qr[MAX_R * MAX_D];
+  float qmu[MAX_R];
+  const float* qg = pr.q + g * R * d;
+  for (int r = 0; r < R; ++r) {
+    for (int i = 0; i < d; ++i) {
+      float acc = 0.0f;
+      const float* row = pr.pk + i * d;
+      for (int j = 0; j < d; ++j) acc += row[j] * qg[r * d + j];
+      qr[r * d + i] = acc;
+    }
+    qmu[r] = 0.0f;
+    if (pr.kmu) {
+      const float* mu = pr.kmu + (g % pr.kmu_rows) * d;
+      for (int j = 0; j < d; ++j) qmu[r] += qg[r * d + j] * mu[j];
+    }
+  }
+  const Codes &K = pr.k, &V = pr.v;
+  // Keys with groups along tokens: a tile lies in one group, so each channel's scale folds into the query and
+  // its bias into a per-row constant; the tile's codes are scored as they are (no decoded copy).
+  const bool fold_keys = K.tokens_last && !K.levels && K.biases.base;
+  // Values with groups along channels: each token's scale folds into its weight, its bias into a per-row sum.
+  const bool fold_values = !V.tokens_last;
+  alignas(64) float kt[MAX_D * TILE];   // keys, channel-major: kt[c * TILE + tt]
+  alignas(64) float vt[TILE * MAX_D];   // values, token-major: vt[tt * dv + c]
+  alignas(64) float s[MAX_R * TILE], w[MAX_R * TILE];
+  alignas(64) float qs[MAX_R * MAX_D];
+  float base[MAX_R];
+  const uint8_t* mask = pr.cmask ? pr.cmask + g * pr.n : nullptr;
+  int64_t folded_block = -1;
+  const auto KW = K.w.head(g), KS = K.scales.head(g), KB = K.biases.head(g);
+  const auto VW = V.w.head(g), VS = V.scales.head(g), VB = V.biases.head(g);
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += TILE) {
+    int nt = int(std::min<int64_t>(TILE, t_end - t0));
+    if (fold_keys) {
+      int64_t blk = t0 / K.group;
+      if (blk != folded_block) {  // a new block: its per-channel scales into the queries, biases into base
+        folded_block = blk;
+        for (int r = 0; r < R; ++r) base[r] = qmu[r];
+        for (int c = 0; c < d; ++c) {
+          float sc = load_scale(KS.row(c), K.dtype, blk);
+          float bc = load_scale(KB.row(c), K.dtype, blk);
+          for (int r = 0; r < R; ++r) {
+            qs[r * d + c] = qr[r * d + c] * sc;
+            base[r] += qr[r * d + c] * bc;
+          }
+        }
+      }
+      // Each channel is its own stream through memory (rows of the transposed codes): prefetch a few tiles
+      // ahead, more streams than the hardware prefetchers follow.
+      const int64_t ahead = ((t0 + PREFETCH_TILES * TILE) * K.bits) / 8;
+      const bool pf = t0 + PREFETCH_TILES * TILE < t_end;
+      for (int c = 0; c < d; ++c) {
+        if (pf) __builtin_prefetch(KW.row(c) + ahead);
+        fields(KW.row(c), t0, nt, K.bits, kt + c * TILE);
+      }
+    } else {
+      K.decode<true>(g, t0, nt, kt);
+    }
+    if (nt < TILE)  // a last partial tile: zero the unused key slots so full-width loops read defined values
+      for (int c = 0; c < d; ++c) std::fill(kt + c * TILE + nt, kt + (c + 1) * TILE, 0.0f);
+    score_tile(R, fold_keys ? qs : qr, fold_keys ? base : qmu, kt, d, s);
+    if (mask)
+      for (int r = 0; r < R; ++r)
+        for (int tt = 0; tt < nt; ++tt)
+          if (!mask[t0 + tt]) s[r * TILE + tt] = NEG;
+    softmax_tile(P, R, nt, dv, s);
+    if (fold_values) {
+      int groups = dv / V.group;
+      for (int tt = 0; tt < nt; ++tt) V.values(VW.row(t0 + tt), 0, dv, vt + tt * dv);
+      for (int k = 0; k < groups; ++k) {
+        float sc[TILE], bc[TILE];
+        for (int tt = 0; tt < nt; ++tt) {
+          sc[tt] = load_scale(VS.row(t0 + tt), V.dtype, k);
+          bc[tt] = V.biases.base ? load_scale(VB.row(t0 + tt), V.dtype, k) : -V.zero * sc[tt];
+        }
+        for (int r = 0; r < R; ++r) {
+          float bsum = 0.0f;
+          const float* sr = s + r * TILE;
+          float* wr = w + r * TILE;
+          for (int tt = 0; tt < nt; ++tt) {
+            wr[tt] = sr[tt] * sc[tt];
+            bsum += sr[tt] * bc[tt];
+          }
+          float* o = P.o + r * dv;
+          for (int c = k * V.group; c < (k + 1) * V.group; ++c) o[c] += bsum;
+        }
+        weighted_tile(R, w, vt, dv, nt, P.o, dv, k * V.group, (k + 1) * V.group);
+      }
+    } else {
+      V.decode<false>(g, t0, nt, vt);
+      weighted_tile(R, s, vt, dv, nt, P.o, dv, 0, dv);
+    }
+  }
+}
+
+void exact_task(const Problem& pr, int64_t g, Partial& P) {
+  const int R = pr.R, d = pr.d, dv = pr.dv;
+  init_partial(P, R, dv, false);
+  const float* qg = pr.q + g * R * d;
+  const uint8_t* mask = pr.emask ? pr.emask + g * pr.ne : nullptr;
+  const auto EK = pr.ek.head(g), EV = pr.ev.head(g);
+  alignas(64) float s[MAX_R * TILE];
+  for (int64_t t0 = 0; t0 < pr.ne; t0 += TILE) {
+    int nt = int(std::min<int64_t>(TILE, pr.ne - t0));
+    for (int r = 0; r < R; ++r)
+      for (int tt = 0; tt < nt; ++tt) {
+        const float* key = reinterpret_cast<const float*>(EK.row(t0 + tt));
+        float acc = 0.0f;
+        for (int c = 0; c < d; ++c) acc += qg[r * d + c] * key[c];
+        s[r * TILE + tt] = (mask && !mask[t0 + tt]) ? NEG : acc;
+      }
+    alignas(64) float vals[TILE * MAX_D];
+    for (int tt = 0; tt < nt; ++tt)
+      std::memcpy(vals + tt * dv, EV.row(t0 + tt), sizeof(float) * dv);
+    absorb(P, R, nt, dv, s, vals);
+  }
+}
+
+void solve(const Problem& pr) {
+  Pool& workers = pool();
+  // Coded tokens split into chunks (whole tiles) so every thread gets work even with few heads.
+  int64_t tiles = (pr.n + TILE - 1) / TILE;
+  int64_t want = pr.n >= 512 ? std::max<int64_t>(1, (2 * workers.size() + pr.G - 1) / pr.G) : 1;
+  int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(want, tiles));
+  int64_t tiles_per = tiles ? (tiles + chunks - 1) / chunks : 0;
+  if (tiles) chunks = (tiles + tiles_per - 1) / tiles_per;
+  int64_t per_g = (pr.n ? chunks : 0) + (pr.ne ? 1 : 0);
+  // Reused across calls (one decode step per layer): no allocation, no page faults per step.
+  static thread_local std::vector<Partial> parts_buffer;
+  static thread_local std::vector<float> outs;
+  std::vector<Partial>& parts = parts_buffer;  // (a thread_local named inside the lambda would be the worker's)
+  parts.resize(size_t(pr.G * per_g));
+  outs.resize(parts.size() * size_t(pr.R * pr.dv));
+  for (size_t i = 0; i < parts.size(); ++i) parts[i].o = outs.data() + i * size_t(pr.R * pr.dv);
+  workers.run(int(pr.G * per_g), [&](int task) {
+    int64_t g = task / per_g, i = task % per_g;
+    Partial& P = parts[size_t(task)];
+    if (pr.n && i < chunks) {
+      int64_t t0 = i * tiles_per * TILE, t1 = std::min<int64_t>(pr.n, (i + 1) * tiles_per * TILE);
+      coded_task(pr, g, t0, t1, P);
+    } else {
+      exact_task(pr, g, P);
+    }
+  });
+  const int R = pr.R, dv = pr.dv;
+  for (int64_t g = 0; g < pr.G; ++g) {
+    for (int r = 0; r < R; ++r) {
+      float m = NEG;
+      for (int64_t i = 0; i < per_g; ++i) m = std::max(m, parts[size_t(g * per_g + i)].m[r]);
+      float sink_w = 0.0f;
+      if (pr.sinks) {
+        float sl = pr.sinks[g * R + r];
+        float m2 = std::max(m, sl);
+        sink_w = exp2_nonpositive(sl - m2);
+        m = m2;
+      }
+      float l = sink_w, wc = 0.0f;
+      float orot[MAX_D], oex[MAX_D];
+      std::fill(orot, orot + dv, 0.0f);
+      std::fill(oex, oex + dv, 0.0f);
+      for (int64_t i = 0; i < per_g; ++i) {
+        const Partial& P = parts[size_t(g * per_g + i)];
+        float a = exp2_nonpositive(P.m[r] - m);
+        l += a * P.l[r];
+        float* acc = P.coded ? orot : oex;
+        if (P.coded) wc += a * P.l[r];
+        for (int c = 0; c < dv; ++c) acc[c] += a * P.o[r * dv + c];
+      }
+      float* out = pr.out + (g * R + r) * dv;
+      const float* vmu = pr.vmu ? pr.vmu + (g % pr.vmu_rows) * dv : nullptr;
+      for (int c = 0; c < dv; ++c) {
+        float acc = oex[c] + (vmu ? wc * vmu[c] : 0.0f);
+        for (int j = 0; j < dv; ++j) acc += orot[j] * pr.pv[j * dv + c];  // invert: y @ Pi
+        out[c] = acc / l;
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// the MLX primitive
+// ------------------------------------------------------------------------------------------------
+struct Params {
+  bool k_tokens_last, v_tokens_last;
+  int k_bits, k_group, v_bits, v_group;
+  float v_zero;  // symmetric values' zero level when the values have no biases
+  bool has_kb, has_kmu, has_vmu, has_vb, has_cmask, has_emask, has_sinks, has_klev, has_vlev;
+  bool operator==(const Params& o) const { return std::memcmp(this, &o, sizeof(Params)) == 0; }
+};
+
+// inputs: q, pk, pv, kw, ks, kb, vw, vs, [vb], ek, ev, [kmu], [vmu], [cmask], [emask], [sinks]
+class CodedDecodeAttention : public UnaryPrimitive {
+ public:
+  CodedDecodeAttention(Stream s, Params p) : UnaryPrimitive(s), p_(p) {}
+  void eval_cpu(const std::vector<array>& inputs, array& out) override;
+  void eval_gpu(const std::vector<array>& inputs, array& out) override {
+    throw std::runtime_error("veloxquant coded attention has no GPU implementation (use the MLX reference)");
+  }
+  const char* name() const override { return "VeloxquantCodedDecodeAttention"; }
+  bool is_equivalent(const Primitive& other) const override {
+    return p_ == static_cast<const CodedDecodeAttention&>(other).p_;
+  }
+  std::vector<Shape> output_shapes(const std::vector<array>& inputs) override {
+    auto sh = inputs[0].shape();
+    sh.back() = inputs[2].shape(0);  // (B, H, R, dv)
+    return {sh};
+  }
+
+ private:
+  Params p_;
+};
+
+void CodedDecodeAttention::eval_cpu(const std::vector<array>& inputs, array& out) {
+  out.set_data(allocator::malloc(out.nbytes()));
+  auto& enc = cpu::get_command_encoder(stream());
+  for (auto& a : inputs) enc.set_input_array(a);
+  enc.set_output_array(out);
+  enc.dispatch([inputs = inputs, out = array::unsafe_weak_copy(out), p = p_]() mutable {
+    size_t i = 0;
+    const array &q = inputs[i++], &pk = inputs[i++], &pv = inputs[i++];
+    const array &kw = inputs[i++], &ks = inputs[i++];
+    const array* kb = p.has_kb ? &inputs[i++] : nullptr;
+    const array &vw = inputs[i++], &vs = inputs[i++];
+    const array* vb = p.has_vb ? &inputs[i++] : nullptr;
+    const array &ek = inputs[i++], &ev = inputs[i++];
+    const array* kmu = p.has_kmu ? &inputs[i++] : nullptr;
+    const array* vmu = p.has_vmu ? &inputs[i++] : nullptr;
+    const array* cmask = p.has_cmask ? &inputs[i++] : nullptr;
+    const array* emask = p.has_emask ? &inputs[i++] : nullptr;
+    const array* sinks = p.has_sinks ? &inputs[i++] : nullptr;
+    const array* klev = p.has_klev ? &inputs[i++] : nullptr;
+    const array* vlev = p.has_vlev ? &inputs[i++] : nullptr;
+    for (const array& a : inputs)  // views of buffers keep a contiguous last axis; anything else is a bug here
+      if (a.ndim() && a.strides().back() != 1 && a.shape().back() > 1)
+        throw std::runtime_error("veloxquant coded attention: an input's last axis is not contiguous");
+    Problem pr;
+    pr.G = int64_t(q.shape(0)) * q.shape(1);
+    pr.R = q.shape(2);
+    pr.d = q.shape(3);
+    pr.dv = pv.shape(0);
+    pr.q = q.data<float>();
+    pr.pk = pk.data<float>();
+    pr.pv = pv.data<float>();
+    pr.ne = ek.shape(2);
+    pr.ek = view(ek);
+    pr.ev = view(ev);
+    auto codes = [&](Codes& c, const array& w, const array& s, const array* b, bool last, int bits, int group,
+                     int d) {
+      c.w = view(w);
+      c.scales = view(s);
+      if (b) c.biases = view(*b);
+      c.dtype = s.dtype() == float16 ? ScaleType::f16 : s.dtype() == bfloat16 ? ScaleType::bf16 : ScaleType::f32;
+      c.tokens_last = last;
+      c.bits = bits;
+      c.group = group;
+      c.d = d;
+    };
+    codes(pr.k, kw, ks, kb, p.k_tokens_last, p.k_bits, p.k_group, pr.d);
+    codes(pr.v, vw, vs, vb, p.v_tokens_last, p.v_bits, p.v_group, pr.dv);
+    pr.v.zero = p.v_zero;
+    pr.k.levels = klev ? klev->data<float>() : nullptr;
+    pr.v.levels = vlev ? vlev->data<float>() : nullptr;
+    pr.n = p.k_tokens_last ? int64_t(kw.shape(3)) * 32 / p.k_bits : kw.shape(2);
+    if (kmu) {
+      pr.kmu = kmu->data<float>();
+      pr.kmu_rows = kmu->shape(0);
+    }
+    if (vmu) {
+      pr.vmu = vmu->data<float>();
+      pr.vmu_rows = vmu->shape(0);
+    }
+    pr.cmask = cmask ? cmask->data<uint8_t>() : nullptr;
+    pr.emask = emask ? emask->data<uint8_t>() : nullptr;
+    pr.sinks = sinks ? sinks->data<float>() : nullptr;
+    pr.out = out.data<float>();
+    solve(pr);
+  });
+}
+
+// ------------------------------------------------------------------------------------------------
+// the op: checks everything the computation relies on, so a bad call is a Python error, never a crash
+// ------------------------------------------------------------------------------------------------
+void require(bool ok, const std::string& what) {
+  if (!ok) throw std::invalid_argument(what);
+}
+
+std::string shape_str(const array& a) {
+  std::ostringstream s;
+  s << "(";
+  for (int i = 0; i < a.ndim(); ++i) s << (i ? ", " : "") << a.shape(i);
+  s << ")";
+  return s.str();
+}
+
+bool lead_ok(const array& a, int B, int H) { return a.ndim() == 4 && a.shape(0) == B && a.shape(1) == H; }
+
+void check_codes(const std::string& nm, const array& w, const array& s, const array* b, bool last, int bits,
+                 int group, int B, int H, int d, int64_t n) {
+  require(bits >= 1 && bits <= 8, nm + ": bits must be 1..8");
+  require(group == 32 || group == 64 || group == 128, nm + ": group must be 32, 64 or 128");
+  require(w.dtype() == uint32 && lead_ok(w, B, H), nm + " codes must be uint32 (B, H, ., .), got " + shape_str(w));
+  require(s.dtype() == float16 || s.dtype() == bfloat16 || s.dtype() == float32, nm + " scales: a float dtype");
+  require(lead_ok(s, B, H), nm + " scales must be (B, H, ., .), got " + shape_str(s));
+  if (last) {
+    require(w.shape(2) == d && n % group == 0 && int64_t(w.shape(3)) * 32 == n * bits,
+            nm + " codes (tokens last) must be (B, H, d, n*bits/32) with whole groups, got " + shape_str(w));
+    require(s.shape(2) == d && s.shape(3) == n / group,
+            nm + " scales (tokens last) must be (B, H, d, n/group), got " + shape_str(s));
+  } else {
+    require(d % group == 0 && w.shape(2) == n && int64_t(w.shape(3)) * 32 == int64_t(d) * bits,
+            nm + " codes (tokens first) must be (B, H, n, d*bits/32), got " + shape_str(w));
+    require(s.shape(2) == n && s.shape(3) == d / group,
+            nm + " scales (tokens first) must be (B, H, n, d/group), got " + shape_str(s));
+  }
+  if (b) require(b->shape() == s.shape() && b->dtype() == s.dtype(), nm + " biases must match the scales");
+}
+
+array coded_decode_attention(const array& q, const array& pk, const array& pv, const array& kw, const array& ks,
+                             const std::optional<array>& kb, bool k_tokens_last, int k_bits, int k_group, const array& vw,
+                             const array& vs, const std::optional<array>& vb, bool v_tokens_last, int v_bits,
+                             int v_group, float v_zero, const array& ek, const array& ev,
+                             const std::optional<array>& kmu, const std::optional<array>& vmu,
+                             const std::optional<array>& cmask, const std::optional<array>& emask,
+                             const std::optional<array>& sinks, const std::optional<array>& k_levels,
+                             const std::optional<array>& v_levels) {
+  require(q.dtype() == float32 && q.ndim() == 4, "q must be float32 (B, Hkv, R, d), got " + shape_str(q));
+  int B = q.shape(0), H = q.shape(1), R = q.shape(2), d = q.shape(3);
+  int64_t G = int64_t(B) * H;
+  int dv = pv.ndim() == 2 ? pv.shape(0) : -1;
+  require(R >= 1 && R <= MAX_R, "q: at most 16 query heads per KV head");
+  require(d >= 1 && d <= MAX_D && dv >= 1 && dv <= MAX_D, "head dims must be 1..256");
+  require(pk.dtype() == float32 && pk.ndim() == 2 && pk.shape(0) == d && pk.shape(1) == d, "pk must be (d, d) float32");
+  require(pv.dtype() == float32 && pv.shape(1) == dv, "pv must be (dv, dv) float32");
+  require(k_bits >= 1, "k_bits must be positive");
+  int64_t n = kw.ndim() == 4 ? (k_tokens_last ? int64_t(kw.shape(3)) * 32 / k_bits : kw.shape(2)) : 0;
+  check_codes("keys", kw, ks, kb ? &*kb : nullptr, k_tokens_last, k_bits, k_group, B, H, d, n);
+  check_codes("values", vw, vs, vb ? &*vb : nullptr, v_tokens_last, v_bits, v_group, B, H, dv, n);
+  require(ek.dtype() == float32 && ev.dtype() == float32 && lead_ok(ek, B, H) && lead_ok(ev, B, H) &&
+          ek.shape(3) == d && ev.shape(3) == dv && ek.shape(2) == ev.shape(2),
+          "exact keys / values must be float32 (B, H, ne, d) / (B, H, ne, dv)");
+  int64_t ne = ek.shape(2);
+  require(n + ne > 0, "the history holds no token");
+  auto mu_ok = [&](const std::optional<array>& m, int w) {
+    return !m || (m->dtype() == float32 && m->ndim() == 2 && m->shape(1) == w && m->shape(0) >= 1 &&
+                  G % m->shape(0) == 0);
+  };
+  require(mu_ok(kmu, d) && mu_ok(vmu, dv), "means must be float32 (rows dividing B*H, d)");
+  require(!cmask || (cmask->dtype() == bool_ && cmask->shape() == Shape{int(G), int(n)}), "cmask must be bool (B*H, n)");
+  require(!emask || (emask->dtype() == bool_ && emask->shape() == Shape{int(G), int(ne)}),
+          "emask must be bool (B*H, ne)");
+  require(!sinks || (sinks->dtype() == float32 && sinks->shape() == Shape{int(G), R}), "sinks must be float32 (B*H, R)");
+  auto lev_ok = [](const std::optional<array>& l, int bits) {
+    return !l || (l->dtype() == float32 && l->ndim() == 1 && l->shape(0) == (1 << bits));
+  };
+  require(lev_ok(k_levels, k_bits) && lev_ok(v_levels, v_bits), "levels must be float32 (2**bits,)");
+  require(kb || k_levels, "keys need biases or levels");
+  Params p{k_tokens_last, v_tokens_last, k_bits, k_group, v_bits, v_group, v_zero, bool(kb), bool(kmu), bool(vmu), bool(vb),
+           bool(cmask), bool(emask), bool(sinks), bool(k_levels), bool(v_levels)};
+  // Small inputs are made contiguous; codes and exact tokens are read through their strides (cache views).
+  auto c = [](const array& a) { return contiguous(a); };
+  std::vector<array> in{c(q), c(pk), c(pv), kw, ks};
+  if (kb) in.push_back(*kb);
+  in.push_back(vw);
+  in.push_back(vs);
+  if (vb) in.push_back(*vb);
+  // The exact tokens (a sink and a tail, at most a few blocks) pass through contiguous(): reading them through
+  // their views gave wrong decode logits on 2-rank pipeline runs (tests/test_distributed.py) though right in one
+  // process, lazily or not; the mechanism is not understood, the copy costs little and fixed it.
+  in.push_back(c(ek));
+  in.push_back(c(ev));
+  for (auto* o : {&kmu, &vmu, &cmask, &emask, &sinks, &k_levels, &v_levels})
+    if (*o) in.push_back(c(**o));
+  // On the caller's current stream (mlx_lm decodes inside its own generation stream): a primitive on another
+  // stream than the ops producing its inputs was measured reading the exact tokens before they were written.
+  Stream s = to_stream(StreamOrDevice{});
+  require(s.device == Device::cpu, "the compiled attention runs on the CPU: make the CPU the default device");
+  return array(Shape{B, H, R, dv}, float32, std::make_shared<CodedDecodeAttention>(s, p), in);
+}
+
+}  // namespace vq
+
+NB_MODULE(_coded_attention, m) {
+  m.doc() = "veloxquant_mlx's compiled attention on affine codes (CPU); the reference is packed_sdpa.attend_one_query";
+  m.attr("built_with_mlx") = std::to_string(MLX_VERSION_MAJOR) + "." + std::to_string(MLX_VERSION_MINOR) + "." +
+                              std::to_string(MLX_VERSION_PATCH);
+  m.def("threads", [] { return vq::pool().size(); }, "worker threads (VELOXQUANT_KERNEL_THREADS, else all cores)");
+  m.def("coded_decode_attention", &vq::coded_decode_attention, nb::arg("q"), nb::arg("pk"), nb::arg("pv"),
+        nb::arg("kw"), nb::arg("ks"), nb::arg("kb").none(), nb::arg("k_tokens_last"), nb::arg("k_bits"), nb::arg("k_group"),
+        nb::arg("vw"), nb::arg("vs"), nb::arg("vb").none(), nb::arg("v_tokens_last"), nb::arg("v_bits"),
+        nb::arg("v_group"), nb::arg("v_zero"), nb::arg("ek"), nb::arg("ev"), nb::arg("kmu").none(),
+        nb::arg("vmu").none(), nb::arg("cmask").none(), nb::arg("emask").none(), nb::arg("sinks").none(),
+        nb::arg("k_levels").none() = nb::none(), nb::arg("v_levels").none() = nb::none());
+}

@@ -1,0 +1,188 @@
+"""The compiled attention on codes (CPU): loading it, what it accepts, and one decode step through it.
+
+`csrc/coded_attention.cpp` is one MLX primitive (``eval_cpu``) that attends one query per row over a history
+of affine codes (`veloxquant_mlx.codecs.contract.AffineCodes`: per-channel block keys, per-token affine or
+symmetric values, any bits MLX packs) plus exact tokens, in one pass over the codes with an online softmax, on
+every core. The pure-MLX path (`packed_sdpa.attend_one_query`) stays the reference and the fallback: the
+kernel is used only when it was built against the MLX that runs (``build_kernel.py``), passed a check against
+a direct computation on first use, the default device is the CPU and every part is of a kind it reads;
+otherwise attention runs on the reference, with one warning when the reason is that the kernel is missing or
+broken. ``VELOXQUANT_KERNEL=0`` (or `set_enabled(False)`) turns it off, for comparisons.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+import warnings
+from typing import List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+
+_lock = threading.Lock()
+_module = None  # the loaded extension, once checked
+_reason: Optional[str] = None  # why it is not used (None: not tried yet, or loaded)
+_warned = False
+_enabled = os.environ.get("VELOXQUANT_KERNEL", "1") not in ("0", "false", "off", "no")
+
+BUILD_HINT = "build it with `python -m veloxquant_mlx.attention.build_kernel` (needs cmake and a C++ compiler)"
+
+
+def set_enabled(flag: bool) -> bool:
+    """Use the compiled kernel when it is available (True, the default) or always the reference; returns the
+    previous setting."""
+    global _enabled
+    if not isinstance(flag, bool):
+        raise TypeError(f"flag must be a bool, got {type(flag).__name__}")
+    previous, _enabled = _enabled, flag
+    return previous
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+def _smoke_check(mod) -> None:
+    """One small problem through the kernel against the same math in plain MLX ops (catches an ABI or build
+    mismatch that imports fine but computes garbage)."""
+    key = mx.random.key(7)
+    k1, k2, k3 = mx.random.split(key, 3)
+    q = mx.random.normal((1, 2, 2, 32), key=k1)
+    k = mx.random.normal((1, 2, 64, 32), key=k2)
+    v = mx.random.normal((1, 2, 64, 32), key=k3)
+    kw, ks, kb = mx.quantize(mx.swapaxes(k, -1, -2), group_size=32, bits=8)  # keys: tokens last
+    vw, vs, vb = mx.quantize(v, group_size=32, bits=4)  # values: tokens first
+    kd = mx.swapaxes(mx.dequantize(kw, ks, kb, group_size=32, bits=8), -1, -2)
+    vd = mx.dequantize(vw, vs, vb, group_size=32, bits=4)
+    ref = mx.softmax((q @ mx.swapaxes(kd, -1, -2)) * 0.6931471805599453, axis=-1, precise=True) @ vd
+    eye = mx.eye(32)
+    empty = mx.zeros((1, 2, 0, 32))
+    out = mod.coded_decode_attention(q, eye, eye, kw, ks, kb, True, 8, 32, vw, vs, vb, False, 4, 32, 0.0,
+                                     empty, empty, None, None, None, None, None)
+    err = mx.max(mx.abs(out - ref)).item()
+    if not err < 1e-4:
+        raise RuntimeError(f"the kernel's check against plain MLX failed (max error {err:.3g})")
+
+
+def _load():
+    """The checked extension module, or None with `_reason` set."""
+    global _module, _reason
+    with _lock:
+        if _module is not None or _reason is not None:
+            return _module
+        try:
+            mod = importlib.import_module("veloxquant_mlx.attention._coded_attention")
+        except ImportError as e:
+            _reason = f"the compiled kernel is not built ({e}); {BUILD_HINT}"
+            return None
+        if mod.built_with_mlx != mx.__version__:
+            _reason = (f"the compiled kernel was built against MLX {mod.built_with_mlx}, MLX {mx.__version__} is "
+                       f"installed; rebuild: {BUILD_HINT}")
+            return None
+        try:
+            _smoke_check(mod)
+        except Exception as e:  # noqa: BLE001 - any failure means: do not use it
+            _reason = f"the compiled kernel failed its first-use check ({type(e).__name__}: {e}); {BUILD_HINT}"
+            return None
+        _module = mod
+        return mod
+
+
+def status() -> Tuple[bool, str]:
+    """``(available, description)``: whether decode steps on affine codes run the compiled kernel, and which path
+    runs (printed by the demo and the benchmarks)."""
+    if mx.default_device() != mx.cpu:
+        return False, f"pure-MLX reference (the compiled kernel is CPU-only; default device {mx.default_device()})"
+    if not _enabled:
+        return False, "pure-MLX reference (compiled kernel turned off: VELOXQUANT_KERNEL=0 or set_enabled(False))"
+    mod = _load()
+    if mod is None:
+        return False, f"pure-MLX reference ({_reason})"
+    return True, f"compiled kernel ({mod.threads()} threads, built against MLX {mod.built_with_mlx})"
+
+
+def _usable():
+    """The module when this step may use it; warns once when it is missing or broken."""
+    global _warned
+    if not _enabled or mx.default_device() != mx.cpu:
+        return None
+    mod = _module if _module is not None else _load()
+    if mod is None and not _warned:
+        _warned = True
+        warnings.warn(f"veloxquant_mlx: attention on codes runs on the pure-MLX reference (slower): {_reason}",
+                      RuntimeWarning, stacklevel=3)
+    return mod
+
+
+def _row_mask(m: Optional[mx.array], B: int, H: int, n: int) -> Optional[mx.array]:
+    """A part's mask (broadcastable to ``(B, H, R, n)``, the same for every query row) -> bool ``(B*H, n)``;
+    raises LookupError when it differs across query rows (the reference handles it)."""
+    if m is None:
+        return None
+    shape = (1,) * (4 - m.ndim) + tuple(m.shape)
+    if shape[2] != 1 or m.dtype != mx.bool_:
+        raise LookupError("per-row or additive mask")
+    return mx.contiguous(mx.broadcast_to(m.reshape(shape), (B, H, 1, n)).reshape(B * H, n))
+
+
+def decode_step(queries: mx.array, parts: Sequence, scale: float, sinks: Optional[mx.array] = None,
+                masks: Optional[Sequence[Optional[mx.array]]] = None) -> Optional[mx.array]:
+    """`attend_one_query` through the compiled kernel: ``(B, Hq, 1, d)`` -> ``(B, Hq, 1, dv)``, or None when this
+    step is not one it runs (then the caller runs the reference). Parts: at most one coded part whose codecs
+    offer `affine_codes`, any exact parts (merged: one query sees keys in any order)."""
+    mod = _usable()
+    if mod is None:
+        return None
+    coded, exact, cm = None, [], None
+    for i, p in enumerate(parts):
+        m = None if masks is None else masks[i]
+        if hasattr(p, "k_codec"):  # a CodedPart (packed_sdpa, which calls this, defines the parts)
+            if coded is not None:
+                return None
+            coded, cm = p, m
+        elif p.keys.shape[2]:
+            exact.append((p, m))
+    if coded is None:
+        return None
+    kc = getattr(coded.k_codec, "affine_codes", None)
+    vc = getattr(coded.v_codec, "affine_codes", None)
+    if kc is None or vc is None:
+        return None
+    ka, va = kc(coded.k_arrays), vc(coded.v_arrays)
+    if ka is None or va is None or ka.biases is None and ka.levels is None or \
+            ka.group not in (32, 64, 128) or va.group not in (32, 64, 128):
+        return None
+    B, Hq, L, d = queries.shape
+    H = ka.w.shape[1]
+    if L != 1 or Hq % H or Hq // H > 16 or ka.w.shape[0] != B:
+        return None
+    R, n = Hq // H, coded.length
+    dv = va.rotation.shape[0]
+    try:
+        cmask = _row_mask(cm, B, H, n)
+        if exact:
+            ek = exact[0][0].keys if len(exact) == 1 else mx.concatenate([p.keys for p, _ in exact], axis=2)
+            ev = exact[0][0].values if len(exact) == 1 else mx.concatenate([p.values for p, _ in exact], axis=2)
+            given = [m for _, m in exact if m is not None]
+            emask = None
+            if given:
+                emask = mx.concatenate([_row_mask(m, B, H, p.length) if m is not None else
+                                        mx.ones((B * H, p.length), dtype=mx.bool_) for p, m in exact], axis=1)
+        else:
+            ek, ev, emask = mx.zeros((B, H, 0, d)), mx.zeros((B, H, 0, dv)), None
+    except LookupError:
+        return None
+    q = (queries.astype(mx.float32) * (scale * 1.4426950408889634)).reshape(B, H, R, d)
+    s = None
+    if sinks is not None:  # (Hq,) per query head, or (B*Hq,) for a folded batch
+        s = (sinks.astype(mx.float32) * 1.4426950408889634).reshape(-1, R)
+        s = mx.contiguous(mx.tile(s, (B, 1)) if s.shape[0] != B * H else s)
+    out = mod.coded_decode_attention(
+        q, ka.rotation, va.rotation, ka.w, ka.scales, ka.biases, ka.tokens_last, ka.bits, ka.group,
+        va.w, va.scales, va.biases, va.tokens_last, va.bits, va.group, float(va.zero),
+        ek.astype(mx.float32), ev.astype(mx.float32), ka.mean, va.mean, cmask, emask, s, ka.levels, va.levels)
+    out = out.reshape(B, Hq, 1, dv)
+    return out if out.dtype == queries.dtype else out.astype(queries.dtype)
+
+
+__all__: List[str] = ["BUILD_HINT", "decode_step", "enabled", "set_enabled", "status"]
