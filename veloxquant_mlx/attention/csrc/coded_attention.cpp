@@ -187,8 +187,8 @@ inline uint32_t field(const uint8_t* p, int64_t i, int bits) {
 template <int BITS>
 inline void unpack_units(const uint8_t* q, int units, uint8_t* out) {
   for (int j = 0; j < units; ++j, q += BITS) {
-    uint64_t u = 0;
-    std::memcpy(&u, q, BITS);  // (a constant size: inlined)
+    uint64_t u = 0;  // composed in a register (a partial memcpy into it stalled on store forwarding)
+    for (int b = 0; b < BITS; ++b) u |= uint64_t(q[b]) << (8 * b);
     for (int i = 0; i < 8; ++i) out[8 * j + i] = uint8_t((u >> (i * BITS)) & ((1u << BITS) - 1u));
   }
 }
