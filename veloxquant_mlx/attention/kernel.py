@@ -19,6 +19,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
+from veloxquant_mlx.attention.exp2 import LOG2E
+
 _lock = threading.Lock()
 _module = None  # the loaded extension, once checked
 _reason: Optional[str] = None  # why it is not used (None: not tried yet, or loaded)
@@ -149,7 +151,7 @@ def decode_step(queries: mx.array, parts: Sequence, scale: float, sinks: Optiona
     if kc is None or vc is None:
         return None
     ka, va = kc(coded.k_arrays), vc(coded.v_arrays)
-    if ka is None or va is None or ka.biases is None and ka.levels is None or \
+    if ka is None or va is None or (ka.biases is None and ka.levels is None) or \
             ka.group not in (32, 64, 128) or va.group not in (32, 64, 128):
         return None
     B, Hq, L, d = queries.shape
@@ -172,10 +174,10 @@ def decode_step(queries: mx.array, parts: Sequence, scale: float, sinks: Optiona
             ek, ev, emask = mx.zeros((B, H, 0, d)), mx.zeros((B, H, 0, dv)), None
     except LookupError:
         return None
-    q = (queries.astype(mx.float32) * (scale * 1.4426950408889634)).reshape(B, H, R, d)
+    q = (queries.astype(mx.float32) * (scale * LOG2E)).reshape(B, H, R, d)  # log2 units: the softmax is 2**s
     s = None
     if sinks is not None:  # (Hq,) per query head, or (B*Hq,) for a folded batch
-        s = (sinks.astype(mx.float32) * 1.4426950408889634).reshape(-1, R)
+        s = (sinks.astype(mx.float32) * LOG2E).reshape(-1, R)
         s = mx.contiguous(mx.tile(s, (B, 1)) if s.shape[0] != B * H else s)
     out = mod.coded_decode_attention(
         q, ka.rotation, va.rotation, ka.w, ka.scales, ka.biases, ka.tokens_last, ka.bits, ka.group,

@@ -8,7 +8,7 @@
 // results merge per g; the coded sum is rotated back and the value mean added once.
 //
 // Code layouts (MLX's affine format: b-bit fields in a little-endian bit stream of uint32 words, per group
-// x = scale * q + bias, or for symmetric values x = scale * (q - zero)):
+// x = scale * q + bias, for symmetric values x = scale * (q - zero), for codebook codes x = scale * levels[q]):
 //   tokens_first: w (G, n, d*b/32), scales/biases (G, n, d/group)       groups along channels, per token
 //   tokens_last:  w (G, d, n*b/32), scales/biases (G, d, n/group)       groups along tokens, per channel
 #include <nanobind/nanobind.h>
