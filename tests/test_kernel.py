@@ -133,8 +133,8 @@ def test_parity_long_history_split_over_threads():
 
 
 def test_declines_what_it_does_not_read():
-    """TurboQuant-Prod keys, outlier channels, two coded parts, per-query-row masks: None (the caller runs the
-    reference)."""
+    """TurboQuant-Prod keys, outlier channels, two coded parts, per-query-row masks, head dims over 256: None (the
+    caller runs the reference)."""
     q, parts = _parts("lloyd_max", 4, 64, method="turboquant_prod")
     assert kernel.decode_step(q, parts, 0.125) is None
     q, parts = _parts("lloyd_max", 4, 64, n_outlier_channels=8)
@@ -143,6 +143,8 @@ def test_declines_what_it_does_not_read():
     assert kernel.decode_step(q, parts + parts, 0.125) is None
     m = mx.ones((1, 2, 3, 64), dtype=mx.bool_)
     assert kernel.decode_step(q, parts, 0.125, masks=[m]) is None
+    q, parts = _parts("affine", 4, 8, d=512, exact=False)  # head dims over 256: the reference, not an error
+    assert kernel.decode_step(q, parts, 0.125) is None
 
 
 def test_raw_op_refuses_bad_arrays_with_a_clear_error():

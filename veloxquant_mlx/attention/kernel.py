@@ -160,6 +160,8 @@ def decode_step(queries: mx.array, parts: Sequence, scale: float, sinks: Optiona
         return None
     R, n = Hq // H, coded.length
     dv = va.rotation.shape[0]
+    if d > 256 or dv > 256:  # the kernel's tile buffers hold head dims up to 256
+        return None
     try:
         cmask = _row_mask(cm, B, H, n)
         if exact:
