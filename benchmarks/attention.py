@@ -18,6 +18,7 @@ minimum is the least disturbed run when other processes share the cores):
 - ``ours_lloyd{4,3,2}``: the Lloyd-Max `LloydMaxCodec` layout (turboquant_mse, K and V at 4 / 3 / 2 bits: what
   tq-mse-k4v4 / k3v3 / k2v2 store), levels read by the fused kernel of `codecs._levels` and BLAS;
   ``ours_prod4``: turboquant_prod 4-bit keys (3-bit levels + QJL signs), MSE 4-bit values (tq-prod-k4v4);
+  ``ours_rvq2``: turboquant_rvq keys and values, two 2-bit codebooks each (tq-rvq-k2v2);
   ``ours_lloyd4_gather``: the same codes as ``ours_lloyd4`` through MLX's gather (the codec's path for codes it
   has no exact level polynomial for, and the only path before; slow, so only up to ``--lloyd-max-n``).
 
@@ -124,6 +125,7 @@ def build_candidates(Hq: int, Hkv: int, d: int, n: int, seed: int, skip_f16_abov
         ours(f"ours_lloyd{bits}", LloydMaxCodec("turboquant_mse", d, bits, seed=1),
              LloydMaxCodec("turboquant_mse", d, bits, seed=1001))
     ours("ours_prod4", LloydMaxCodec("turboquant_prod", d, 4, seed=1), LloydMaxCodec("turboquant_mse", d, 4, seed=1001))
+    ours("ours_rvq2", LloydMaxCodec("turboquant_rvq", d, 2, seed=1), LloydMaxCodec("turboquant_rvq", d, 2, seed=1001))
     if n <= lloyd_max_n:  # the gather path: ~10x float32 SDPA, kept to a reference size by default
         ours("ours_lloyd4_gather", GatherLloydMax("turboquant_mse", d, 4, seed=1),
              GatherLloydMax("turboquant_mse", d, 4, seed=1001))
@@ -137,6 +139,9 @@ def _gather_codec():
         """`LloydMaxCodec` without its fused level kernels: every group read through MLX's gather."""
 
         def _fast(self, g, quant, codes):
+            return None
+
+        def affine_codes(self, codes):  # not the compiled attention either
             return None
 
     return GatherLloydMax

@@ -132,10 +132,43 @@ def test_parity_long_history_split_over_threads():
     _close(_kernel(q, parts), reference_one_query(q, parts, 0.125))
 
 
+@pytest.mark.parametrize("method", ["turboquant_prod", "turboquant_rvq"])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("n_blocks", [1, 9])
+def test_parity_two_stream_codes(method, bits, n_blocks):
+    """TurboQuant-Prod keys (the MSE codes plus the QJL signs scored in their sketch space) and RVQ keys and values
+    (two codebooks under one norm) read as two code streams."""
+    q, parts = _parts("lloyd_max", bits, n_blocks * 64, method=method, seed=bits + 20)
+    ka = parts[1].k_codec.affine_codes(parts[1].k_arrays)
+    assert ka is not None and ka.extra is not None  # the second stream is really read
+    _close(_kernel(q, parts), reference_one_query(q, parts, 0.125))
+
+
+@pytest.mark.parametrize("method", ["turboquant_prod", "turboquant_rvq"])
+@pytest.mark.parametrize("d,R", [(32, 1), (128, 4)])
+def test_parity_two_stream_codes_head_dims_batches_and_masks(method, d, R):
+    B, H = 2, 2
+    q, parts = _parts("lloyd_max", 4, 320, B=B, H=H, R=R, d=d, method=method, seed=d + R)
+    rng = np.random.default_rng(d)
+    masks = []
+    for p in parts:
+        m = rng.random((B, H, 1, p.length)) < 0.7
+        m[..., 0] = True
+        masks.append(mx.array(m))
+    sinks = mx.random.normal((H * R,), key=mx.random.key(1))
+    _close(_kernel(q, parts, d ** -0.5, sinks, masks), reference_one_query(q, parts, d ** -0.5, sinks, masks))
+
+
+def test_parity_prod_with_a_sketch_shorter_than_the_head():
+    q, parts = _parts("lloyd_max", 3, 128, method="turboquant_prod", jl_dim=32)
+    assert parts[1].k_codec.affine_codes(parts[1].k_arrays).extra.rotation.shape == (32, 64)
+    _close(_kernel(q, parts), reference_one_query(q, parts, 0.125))
+
+
 def test_declines_what_it_does_not_read():
-    """TurboQuant-Prod keys, outlier channels, two coded parts, per-query-row masks, head dims over 256: None (the
-    caller runs the reference)."""
-    q, parts = _parts("lloyd_max", 4, 64, method="turboquant_prod")
+    """1-bit TurboQuant-Prod keys (no MSE stage), outlier channels, two coded parts, per-query-row masks, head dims
+    over 256: None (the caller runs the reference)."""
+    q, parts = _parts("lloyd_max", 1, 64, method="turboquant_prod")
     assert kernel.decode_step(q, parts, 0.125) is None
     q, parts = _parts("lloyd_max", 4, 64, n_outlier_channels=8)
     assert kernel.decode_step(q, parts, 0.125) is None
@@ -161,6 +194,17 @@ def test_raw_op_refuses_bad_arrays_with_a_clear_error():
     with pytest.raises(ValueError, match="values"):
         mod.coded_decode_attention(q, eye, eye, kw, ks, kb, True, 8, 64, vw[:, :, :10], vs, vb, False, 4, 32, 0.0,
                                    e, e, None, None, None, None, None)
+    # a second stream: all of its arrays or none, per-token keys only, levels of the right size
+    lev = mx.zeros((2,))
+    with pytest.raises(ValueError, match="go together"):
+        mod.coded_decode_attention(q, eye, eye, kw, ks, kb, True, 8, 64, vw, vs, vb, False, 4, 32, 0.0,
+                                   e, e, None, None, None, None, None, None, None, kw, None, None, None, 1)
+    with pytest.raises(ValueError, match="per-token keys"):
+        mod.coded_decode_attention(q, eye, eye, kw, ks, kb, True, 8, 64, vw, vs, vb, False, 4, 32, 0.0,
+                                   e, e, None, None, None, None, None, None, None, kw, ks, eye, lev, 1)
+    with pytest.raises(ValueError, match="second value stream"):
+        mod.coded_decode_attention(q, eye, eye, kw, ks, kb, True, 8, 64, vw, vs, vb, False, 4, 32, 0.0,
+                                   e, e, None, None, None, None, None, None, None, v2w=vw, v2_levels=lev, v2_bits=1)
     with pytest.raises(ValueError, match="q must be float32"):
         mod.coded_decode_attention(q.astype(mx.float16), eye, eye, kw, ks, kb, True, 8, 64, vw, vs, vb, False, 4,
                                    32, 0.0, e, e, None, None, None, None, None)

@@ -131,7 +131,8 @@ def decode_step(queries: mx.array, parts: Sequence, scale: float, sinks: Optiona
                 masks: Optional[Sequence[Optional[mx.array]]] = None) -> Optional[mx.array]:
     """`attend_one_query` through the compiled kernel: ``(B, Hq, 1, d)`` -> ``(B, Hq, 1, dv)``, or None when this
     step is not one it runs (then the caller runs the reference). Parts: at most one coded part whose codecs
-    offer `affine_codes`, any exact parts (merged: one query sees keys in any order)."""
+    offer `affine_codes` (a second code stream included: Prod's signs, RVQ's residual codes), any exact parts
+    (merged: one query sees keys in any order)."""
     mod = _usable()
     if mod is None:
         return None
@@ -153,6 +154,16 @@ def decode_step(queries: mx.array, parts: Sequence, scale: float, sinks: Optiona
     ka, va = kc(coded.k_arrays), vc(coded.v_arrays)
     if ka is None or va is None or (ka.biases is None and ka.levels is None) or \
             ka.group not in (32, 64, 128) or va.group not in (32, 64, 128):
+        return None
+    k2, v2 = ka.extra, va.extra
+    if k2 is not None and (ka.tokens_last or k2.tokens_last or k2.levels is None or k2.biases is not None
+                           or k2.scales.shape[-1] != 1 or k2.group % 8 or k2.rotation.shape[0] > 256):
+        return None
+    # RVQ keys: the second stream under the first's scales and rotation: levels summed before the dots
+    k2_summed = k2 is not None and k2.scales is ka.scales and k2.rotation is ka.rotation and ka.levels is not None \
+        and ka.biases is None
+    if v2 is not None and (v2.scales is not va.scales or v2.rotation is not va.rotation or v2.levels is None
+                           or va.levels is None or va.tokens_last):
         return None
     B, Hq, L, d = queries.shape
     H = ka.w.shape[1]
@@ -184,7 +195,10 @@ def decode_step(queries: mx.array, parts: Sequence, scale: float, sinks: Optiona
     out = mod.coded_decode_attention(
         q, ka.rotation, va.rotation, ka.w, ka.scales, ka.biases, ka.tokens_last, ka.bits, ka.group,
         va.w, va.scales, va.biases, va.tokens_last, va.bits, va.group, float(va.zero),
-        ek.astype(mx.float32), ev.astype(mx.float32), ka.mean, va.mean, cmask, emask, s, ka.levels, va.levels)
+        ek.astype(mx.float32), ev.astype(mx.float32), ka.mean, va.mean, cmask, emask, s, ka.levels, va.levels,
+        *((k2.w, None, None, k2.levels, k2.bits) if k2_summed else
+          (k2.w, k2.scales, k2.rotation, k2.levels, k2.bits) if k2 is not None else (None,) * 4 + (0,)),
+        *((v2.w, v2.levels, v2.bits) if v2 is not None else (None, None, 0)))
     out = out.reshape(B, Hq, 1, dv)
     return out if out.dtype == queries.dtype else out.astype(queries.dtype)
 

@@ -56,6 +56,11 @@ class AffineCodes:
     channels. ``levels``: None, or a codebook ``(2**bits,)`` float32 that each code indexes first (Lloyd-Max codes:
     ``x = scale * levels[code]``). A decoded vector is ``Pi^T y + mean`` (``rotation``: the ``(d, d)`` Pi,
     ``mean``: None or per head ``(heads, d)`` float32); for keys, scores are ``(Pi q) . y + q . mean``.
+
+    ``extra``: None, or a second additive code stream of the same tokens (tokens first, with ``levels``): for keys
+    (TurboQuant-Prod's QJL signs, RVQ's residual codebook) one more score term ``(rotation_2 q) . y_2`` with its
+    own per-token ``scales`` and its ``rotation`` an ``(m, d)`` map of the query; for values (RVQ) levels added
+    to the first stream's under the first stream's very ``scales`` and ``rotation`` objects.
     """
 
     w: mx.array
@@ -68,6 +73,7 @@ class AffineCodes:
     mean: Optional[mx.array] = None
     zero: float = 0.0
     levels: Optional[mx.array] = None
+    extra: Optional["AffineCodes"] = None
 
 
 @runtime_checkable

@@ -94,12 +94,31 @@ def _fast_terms(quant) -> Optional[Tuple[_Term, ...]]:
     return tuple(terms) if all(t.decoder.exact for t in terms) else None
 
 
+def _evaluated(a) -> mx.array:
+    a = mx.array(np.asarray(a, dtype=np.float32))
+    mx.eval(a)
+    return a
+
+
 @functools.lru_cache(maxsize=None)
-def _codebook_levels(quant) -> mx.array:
-    """A TurboQuant-MSE quantizer's codebook levels as a float32 array ``(2**bits,)`` (shared, evaluated once)."""
-    levels = mx.array(np.asarray(quant.codebook.centroids_np, dtype=np.float32))
-    mx.eval(levels)
-    return levels
+def _kernel_streams(quant):
+    """``quant``'s codes as the compiled attention reads them: ``((field, bits, levels, scale field), ...)`` per
+    stream, the first stream's rotation and, for a second stream of keys in its own space, its ``(m, d)`` query
+    map (Prod: ``qjl_scale * S @ Pi``); None for a quantizer it does not read. Shared, evaluated once."""
+    kind = quant.quantizer_type
+    if kind == "turboquant_mse":
+        return (("indices", quant.b, _evaluated(quant.codebook.centroids_np), "norms"),), quant.rotation.matrix, None
+    if kind == "turboquant_rvq":  # y = norm * (c1[i1] + c2[i2]): two streams under one norm and one rotation
+        return ((("indices", quant.b, _evaluated(quant.codebook1.centroids_np), "norms"),
+                 ("indices2", quant.b, _evaluated(quant.codebook2.centroids_np), "norms")),
+                quant.rotation.matrix, quant.rotation.matrix)
+    if kind == "turboquant_prod" and quant.mse is not None and quant.m % 8 == 0 and quant.m <= 256:
+        # y = norm * c[i] + residual_norm * qjl_scale * (signs @ S): the signs score against (qjl_scale S Pi) q
+        proj = (quant.qjl_matrix @ quant.rotation.matrix) * quant._qjl_scale
+        mx.eval(proj)
+        return ((("indices", quant.b - 1, _evaluated(quant.mse.codebook.centroids_np), "norms"),
+                 ("signs", 1, _evaluated([-1.0, 1.0]), "residual_norm")), quant.rotation.matrix, proj)
+    return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -362,17 +381,25 @@ class LloydMaxCodec(PerTokenLayout):
         return s
 
     def affine_codes(self, codes: Dict[str, mx.array]) -> Optional[AffineCodes]:
-        """TurboQuant-MSE codes without outlier channels as codebook fields per token (one norm per token, levels
-        from the codebook): what the compiled attention reads. None for Prod / RVQ codes or outlier channels."""
-        if self.method != "turboquant_mse" or self.n_outliers or self.d not in (32, 64, 128):
+        """TurboQuant codes without outlier channels as codebook fields per token (one norm per token, levels from
+        the codebook; RVQ's and Prod's second stream as `AffineCodes.extra`): what the compiled attention reads.
+        None for outlier channels, 1-bit Prod (no MSE stage) or head dims other than 32, 64 and 128."""
+        if self.n_outliers or self.d not in (32, 64, 128):
             return None
-        quant = self.quantizers["i"]
-        if "i_indices" not in codes or "i_norms" not in codes:
+        streams = _kernel_streams(self.quantizers["i"])
+        if streams is None or any(f"i_{f}" not in codes or f"i_{sf}" not in codes for f, _, _, sf in streams[0]):
             return None
-        levels = _codebook_levels(quant)
+        (f1, b1, lev1, s1), *rest = streams[0]
+        rotation = streams[1]
+        scales = mx.expand_dims(codes[f"i_{s1}"], -1)  # (B, H, n, 1): one norm per token
+        extra = None
+        if rest:
+            f2, b2, lev2, s2 = rest[0]
+            width = self.d if f2 != "signs" else self.quantizers["i"].m
+            extra = AffineCodes(codes[f"i_{f2}"], scales if s2 == s1 else mx.expand_dims(codes[f"i_{s2}"], -1),
+                                None, b2, width, False, rotation if s2 == s1 else streams[2], None, 0.0, lev2)
         mean = None if self.mean is None else self.mean.astype(mx.float32)
-        return AffineCodes(codes["i_indices"], mx.expand_dims(codes["i_norms"], -1), None, self.bits, self.d, False,
-                           quant.rotation.matrix, mean, 0.0, levels)
+        return AffineCodes(codes[f"i_{f1}"], scales, None, b1, self.d, False, rotation, mean, 0.0, lev1, extra)
 
     def weighted_sum(self, p: mx.array, codes: Dict[str, mx.array], packed_rows: Optional[int] = None,
                      with_offset: bool = True) -> mx.array:

@@ -225,8 +225,61 @@ inline void unpack(const uint8_t* p, int64_t first, int n, int bits, uint8_t* ou
   }
 }
 
+#if defined(__AVX2__)
+// Units of BITS <= 4 bytes (8 codes each) as 8 floats per unit: the codes themselves, or their levels looked up
+// in registers (LEVELS: lev16 holds 16 floats, the 2**BITS levels then padding; codes of 4 bits pick between two
+// 8-level permutes by their top bit). Replaces a scalar unpack, gather and convert per coordinate.
+template <int BITS, bool LEVELS>
+inline void units_to_floats(const uint8_t* q, int units, const float* lev16, float* out) {
+  const __m256i shifts = _mm256_setr_epi32(0, BITS, 2 * BITS, 3 * BITS, 4 * BITS, 5 * BITS, 6 * BITS, 7 * BITS);
+  const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+  if (LEVELS) {
+    lo = _mm256_loadu_ps(lev16);
+    hi = _mm256_loadu_ps(lev16 + 8);
+  }
+  for (int j = 0; j < units; ++j, q += BITS) {
+    uint32_t u = q[0];
+    if (BITS > 1) u |= uint32_t(q[1]) << 8;
+    if (BITS > 2) u |= uint32_t(q[2]) << 16;
+    if (BITS > 3) u |= uint32_t(q[3]) << 24;
+    __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(int(u)), shifts), mask);
+    __m256 v;
+    if (!LEVELS) {
+      v = _mm256_cvtepi32_ps(idx);
+    } else if (BITS <= 3) {
+      v = _mm256_permutevar8x32_ps(lo, idx);
+    } else {
+      v = _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, idx), _mm256_permutevar8x32_ps(hi, idx),
+                           _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+    }
+    _mm256_storeu_ps(out + 8 * j, v);
+  }
+}
+
+// Whole units of 1..4-bit codes from field `first` (a multiple of 8) as floats; false: not such a case.
+inline bool units_fast(const uint8_t* p, int64_t first, int n, int bits, const float* lev16, float* out) {
+  if (bits > 4 || (first & 7) || (n & 7)) return false;
+  const uint8_t* q = p + (first / 8) * bits;
+  int units = n / 8;
+  switch (bits * 2 + (lev16 ? 1 : 0)) {
+    case 2: units_to_floats<1, false>(q, units, lev16, out); return true;
+    case 3: units_to_floats<1, true>(q, units, lev16, out); return true;
+    case 4: units_to_floats<2, false>(q, units, lev16, out); return true;
+    case 5: units_to_floats<2, true>(q, units, lev16, out); return true;
+    case 6: units_to_floats<3, false>(q, units, lev16, out); return true;
+    case 7: units_to_floats<3, true>(q, units, lev16, out); return true;
+    case 8: units_to_floats<4, false>(q, units, lev16, out); return true;
+    default: units_to_floats<4, true>(q, units, lev16, out); return true;
+  }
+}
+#else
+inline bool units_fast(const uint8_t*, int64_t, int, int, const float*, float*) { return false; }
+#endif
+
 // n consecutive fields from field `first` as floats.
 inline void fields(const uint8_t* p, int64_t first, int n, int bits, float* out) {
+  if (units_fast(p, first, n, bits, nullptr, out)) return;
   if (bits == 8) {
     const uint8_t* q = p + first;
     for (int j = 0; j < n; ++j) out[j] = float(q[j]);
@@ -268,13 +321,21 @@ struct Codes {
   View w, scales, biases;           // biases.base null: symmetric levels, bias = -zero * scale
   ScaleType dtype = ScaleType::f32;  // of scales and biases
   const float* levels = nullptr;    // codebook levels per code (Lloyd-Max), else the code itself
+  alignas(32) float lev16[16] = {};  // the first 16 levels, padded (register lookups of codes up to 4 bits)
   bool tokens_last = false;
   int bits = 8, group = 64, d = 64;
   float zero = 0.0f;
 
+  void set_levels(const float* l) {
+    levels = l;
+    if (l)
+      for (int i = 0; i < std::min(16, 1 << bits); ++i) lev16[i] = l[i];
+  }
+
   // n code values from field `first` of a row: the codes themselves, or their codebook levels.
   void values(const uint8_t* row, int64_t first, int n, float* out) const {
     if (!levels) return fields(row, first, n, bits, out);
+    if (units_fast(row, first, n, bits, lev16, out)) return;
     alignas(64) uint8_t codes[256];
     unpack(row, first, n, bits, codes);
     for (int j = 0; j < n; ++j) out[j] = levels[codes[j]];
@@ -331,6 +392,14 @@ struct Problem {
   const float *kmu = nullptr, *vmu = nullptr;  // (mu_rows, d): per g or per KV head (g % mu_rows)
   int64_t kmu_rows = 0, vmu_rows = 0;
   Codes k, v;
+  // Second code streams (RVQ's residual codebook, TurboQuant-Prod's QJL signs), tokens first, levels given.
+  // Keys: one more additive score term (pk2 q) . (scale2 * levels2[codes2]) in its own m2-dim space, with its
+  // own per-token scales; values: levels added to the first stream's, under its scales and rotation.
+  bool has_k2 = false, has_v2 = false;
+  bool k2_summed = false;  // keys' second stream under the first's scales and rotation: levels summed (no pk2)
+  Codes k2, v2;
+  const float* pk2 = nullptr;  // (m2, d)
+  int m2 = 0;
   View ek, ev;                                  // exact keys / values (B, H, ne, d) float32
   const uint8_t *cmask = nullptr, *emask = nullptr;
   const float* sinks = nullptr;  // (G, R), log2 units
@@ -412,6 +481,48 @@ inline void weighted_tile(int R, const float* w, const float* x, int ldx, int nt
   }
 }
 
+// Sum of a[c] * b[c], n a multiple of 8 (eight partial sums: the compiler keeps them in one vector register).
+inline float dot(const float* a, const float* b, int n) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int c = 0; c < n; c += 8)
+    for (int j = 0; j < 8; ++j) acc[j] += a[c + j] * b[c + j];
+  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
+// Scores of tokens [t0, t0 + nt) of head g for codes with groups along channels (per token): each token's codes
+// (or levels) decoded once into a row and dotted with every query row, the group's scale applied to the dot and
+// its bias through the row's per-group query sums qgs (R x d/group). ADD: adds to s instead of writing base + ...
+// SUMMED: a second stream under the same scales (RVQ) whose levels add to the first's before the dots.
+template <bool ADD>
+void score_tokens(const Codes& C, int64_t g, int R, const float* qc, const float* qgs, const float* base,
+                  int64_t t0, int nt, float* s, const Codes* summed = nullptr) {
+  const int d = C.d, grp = C.group, groups = d / grp;
+  const auto W = C.w.head(g), S = C.scales.head(g), Bh = C.biases.head(g);
+  const auto W2 = summed ? summed->w.head(g) : View::Head{nullptr, 0};
+  const bool affine = C.biases.base || C.zero != 0.0f;
+  alignas(64) float x[MAX_D], x2[MAX_D];
+  for (int tt = 0; tt < nt; ++tt) {
+    const int64_t t = t0 + tt;
+    C.values(W.row(t), 0, d, x);
+    if (summed) {
+      summed->values(W2.row(t), 0, d, x2);
+      for (int c = 0; c < d; ++c) x[c] += x2[c];
+    }
+    float acc[MAX_R];
+    for (int r = 0; r < R; ++r) acc[r] = ADD ? s[r * TILE + tt] : base[r];
+    for (int k = 0; k < groups; ++k) {
+      const float sc = load_scale(S.row(t), C.dtype, k);
+      const float* xk = x + k * grp;
+      for (int r = 0; r < R; ++r) acc[r] += sc * dot(qc + r * d + k * grp, xk, grp);
+      if (affine) {
+        const float bc = C.biases.base ? load_scale(Bh.row(t), C.dtype, k) : -C.zero * sc;
+        for (int r = 0; r < R; ++r) acc[r] += bc * qgs[r * groups + k];
+      }
+    }
+    for (int r = 0; r < R; ++r) s[r * TILE + tt] = acc[r];
+  }
+}
+
 // Online softmax over a tile's scores s[r * TILE + tt] (base 2): updates m and l, rescales o, leaves the tile's
 // weights 2**(s - m) in s.
 inline void softmax_tile(Partial& P, int R, int nt, int dv, float* s) {
@@ -471,6 +582,31 @@ void coded_task(const Problem& pr, int64_t g, int64_t t_begin, int64_t t_end, Pa
     }
   }
   const Codes &K = pr.k, &V = pr.v;
+  // Per-group query sums (the biases of per-token key codes), and the second key stream's query (pk2 q).
+  alignas(64) float qgs[MAX_R * MAX_D / 8], q2[MAX_R * MAX_D], qgs2[MAX_R * MAX_D / 8];
+  if (!K.tokens_last)
+    for (int r = 0; r < R; ++r)
+      for (int k = 0; k < d / K.group; ++k) {
+        float acc = 0.0f;
+        for (int c = k * K.group; c < (k + 1) * K.group; ++c) acc += qr[r * d + c];
+        qgs[r * (d / K.group) + k] = acc;
+      }
+  if (pr.has_k2 && !pr.k2_summed) {
+    const int m2 = pr.m2;
+    for (int r = 0; r < R; ++r) {
+      for (int i = 0; i < m2; ++i) {
+        float acc = 0.0f;
+        const float* row = pr.pk2 + int64_t(i) * d;
+        for (int j = 0; j < d; ++j) acc += row[j] * qg[r * d + j];
+        q2[r * m2 + i] = acc;
+      }
+      for (int k = 0; k < m2 / pr.k2.group; ++k) {
+        float acc = 0.0f;
+        for (int c = k * pr.k2.group; c < (k + 1) * pr.k2.group; ++c) acc += q2[r * m2 + c];
+        qgs2[r * (m2 / pr.k2.group) + k] = acc;
+      }
+    }
+  }
   // Keys with groups along tokens: a tile lies in one group, so each channel's scale folds into the query and
   // its bias into a per-row constant; the tile's codes are scored as they are (no decoded copy).
   const bool fold_keys = K.tokens_last && !K.levels && K.biases.base;
@@ -509,12 +645,17 @@ void coded_task(const Problem& pr, int64_t g, int64_t t_begin, int64_t t_end, Pa
         if (pf) __builtin_prefetch(KW.row(c) + ahead);
         fields(KW.row(c), t0, nt, K.bits, kt + c * TILE);
       }
-    } else {
+    } else if (K.tokens_last) {
       K.decode<true>(g, t0, nt, kt);
     }
-    if (nt < TILE)  // a last partial tile: zero the unused key slots so full-width loops read defined values
-      for (int c = 0; c < d; ++c) std::fill(kt + c * TILE + nt, kt + (c + 1) * TILE, 0.0f);
-    score_tile(R, fold_keys ? qs : qr, fold_keys ? base : qmu, kt, d, s);
+    if (K.tokens_last) {
+      if (nt < TILE)  // a last partial tile: zero the unused key slots so full-width loops read defined values
+        for (int c = 0; c < d; ++c) std::fill(kt + c * TILE + nt, kt + (c + 1) * TILE, 0.0f);
+      score_tile(R, fold_keys ? qs : qr, fold_keys ? base : qmu, kt, d, s);
+    } else {
+      score_tokens<false>(K, g, R, qr, qgs, qmu, t0, nt, s, pr.k2_summed ? &pr.k2 : nullptr);
+    }
+    if (pr.has_k2 && !pr.k2_summed) score_tokens<true>(pr.k2, g, R, q2, qgs2, nullptr, t0, nt, s);
     if (mask)
       for (int r = 0; r < R; ++r)
         for (int tt = 0; tt < nt; ++tt)
@@ -523,6 +664,15 @@ void coded_task(const Problem& pr, int64_t g, int64_t t_begin, int64_t t_end, Pa
     if (fold_values) {
       int groups = dv / V.group;
       for (int tt = 0; tt < nt; ++tt) V.values(VW.row(t0 + tt), 0, dv, vt + tt * dv);
+      if (pr.has_v2) {  // the second stream's levels add to the first's (same scales, same rotation)
+        const auto V2W = pr.v2.w.head(g);
+        alignas(64) float x2[MAX_D];
+        for (int tt = 0; tt < nt; ++tt) {
+          pr.v2.values(V2W.row(t0 + tt), 0, dv, x2);
+          float* row = vt + tt * dv;
+          for (int c = 0; c < dv; ++c) row[c] += x2[c];
+        }
+      }
       for (int k = 0; k < groups; ++k) {
         float sc[TILE], bc[TILE];
         for (int tt = 0; tt < nt; ++tt) {
@@ -641,10 +791,14 @@ struct Params {
   int k_bits, k_group, v_bits, v_group;
   float v_zero;  // symmetric values' zero level when the values have no biases
   bool has_kb, has_kmu, has_vmu, has_vb, has_cmask, has_emask, has_sinks, has_klev, has_vlev;
+  int k2_bits, k2_group, v2_bits;  // 0: no second stream
+  bool k2_summed;
+
   bool operator==(const Params& o) const { return std::memcmp(this, &o, sizeof(Params)) == 0; }
 };
 
-// inputs: q, pk, pv, kw, ks, kb, vw, vs, [vb], ek, ev, [kmu], [vmu], [cmask], [emask], [sinks]
+// inputs: q, pk, pv, kw, ks, [kb], vw, vs, [vb], ek, ev, [kmu], [vmu], [cmask], [emask], [sinks], [k_levels],
+// [v_levels], [k2w, k2s, pk2, k2_levels], [v2w, v2_levels]
 class CodedDecodeAttention : public UnaryPrimitive {
  public:
   CodedDecodeAttention(Stream s, Params p) : UnaryPrimitive(s), p_(p) {}
@@ -686,6 +840,19 @@ void CodedDecodeAttention::eval_cpu(const std::vector<array>& inputs, array& out
     const array* sinks = p.has_sinks ? &inputs[i++] : nullptr;
     const array* klev = p.has_klev ? &inputs[i++] : nullptr;
     const array* vlev = p.has_vlev ? &inputs[i++] : nullptr;
+    const array *k2w = nullptr, *k2s = nullptr, *pk2 = nullptr, *k2lev = nullptr, *v2w = nullptr, *v2lev = nullptr;
+    if (p.k2_bits) {
+      k2w = &inputs[i++];
+      if (!p.k2_summed) {
+        k2s = &inputs[i++];
+        pk2 = &inputs[i++];
+      }
+      k2lev = &inputs[i++];
+    }
+    if (p.v2_bits) {
+      v2w = &inputs[i++];
+      v2lev = &inputs[i++];
+    }
     for (const array& a : inputs)  // views of buffers keep a contiguous last axis; anything else is a bug here
       if (a.ndim() && a.strides().back() != 1 && a.shape().back() > 1)
         throw std::runtime_error("veloxquant coded attention: an input's last axis is not contiguous");
@@ -714,8 +881,21 @@ void CodedDecodeAttention::eval_cpu(const std::vector<array>& inputs, array& out
     codes(pr.k, kw, ks, kb, p.k_tokens_last, p.k_bits, p.k_group, pr.d);
     codes(pr.v, vw, vs, vb, p.v_tokens_last, p.v_bits, p.v_group, pr.dv);
     pr.v.zero = p.v_zero;
-    pr.k.levels = klev ? klev->data<float>() : nullptr;
-    pr.v.levels = vlev ? vlev->data<float>() : nullptr;
+    pr.k.set_levels(klev ? klev->data<float>() : nullptr);
+    pr.v.set_levels(vlev ? vlev->data<float>() : nullptr);
+    if (k2w) {
+      pr.has_k2 = true;
+      pr.k2_summed = p.k2_summed;
+      pr.m2 = pk2 ? pk2->shape(0) : pr.d;
+      codes(pr.k2, *k2w, k2s ? *k2s : ks, nullptr, false, p.k2_bits, p.k2_group, pr.m2);
+      pr.k2.set_levels(k2lev->data<float>());
+      pr.pk2 = pk2 ? pk2->data<float>() : nullptr;
+    }
+    if (v2w) {
+      pr.has_v2 = true;
+      codes(pr.v2, *v2w, vs, nullptr, false, p.v2_bits, p.v_group, pr.dv);
+      pr.v2.set_levels(v2lev->data<float>());
+    }
     pr.n = p.k_tokens_last ? int64_t(kw.shape(3)) * 32 / p.k_bits : kw.shape(2);
     if (kmu) {
       pr.kmu = kmu->data<float>();
@@ -753,7 +933,8 @@ bool lead_ok(const array& a, int B, int H) { return a.ndim() == 4 && a.shape(0) 
 void check_codes(const std::string& nm, const array& w, const array& s, const array* b, bool last, int bits,
                  int group, int B, int H, int d, int64_t n) {
   require(bits >= 1 && bits <= 8, nm + ": bits must be 1..8");
-  require(group == 32 || group == 64 || group == 128, nm + ": group must be 32, 64 or 128");
+  require(group == 32 || group == 64 || group == 128 || (!last && group == d && d % 8 == 0),
+          nm + ": group must be 32, 64 or 128 (or, tokens first, the whole vector, a multiple of 8)");
   require(w.dtype() == uint32 && lead_ok(w, B, H), nm + " codes must be uint32 (B, H, ., .), got " + shape_str(w));
   require(s.dtype() == float16 || s.dtype() == bfloat16 || s.dtype() == float32, nm + " scales: a float dtype");
   require(lead_ok(s, B, H), nm + " scales must be (B, H, ., .), got " + shape_str(s));
@@ -778,7 +959,10 @@ array coded_decode_attention(const array& q, const array& pk, const array& pv, c
                              const std::optional<array>& kmu, const std::optional<array>& vmu,
                              const std::optional<array>& cmask, const std::optional<array>& emask,
                              const std::optional<array>& sinks, const std::optional<array>& k_levels,
-                             const std::optional<array>& v_levels) {
+                             const std::optional<array>& v_levels, const std::optional<array>& k2w,
+                             const std::optional<array>& k2s, const std::optional<array>& pk2,
+                             const std::optional<array>& k2_levels, int k2_bits, const std::optional<array>& v2w,
+                             const std::optional<array>& v2_levels, int v2_bits) {
   require(q.dtype() == float32 && q.ndim() == 4, "q must be float32 (B, Hkv, R, d), got " + shape_str(q));
   int B = q.shape(0), H = q.shape(1), R = q.shape(2), d = q.shape(3);
   int64_t G = int64_t(B) * H;
@@ -810,8 +994,35 @@ array coded_decode_attention(const array& q, const array& pk, const array& pv, c
   };
   require(lev_ok(k_levels, k_bits) && lev_ok(v_levels, v_bits), "levels must be float32 (2**bits,)");
   require(kb || k_levels, "keys need biases or levels");
+  // second streams: all of their arrays or none; tokens first, levels given
+  const bool has_k2 = k2w || k2s || pk2 || k2_levels;
+  const bool has_v2 = v2w || v2_levels;
+  int m2 = 0;
+  const bool k2_summed = has_k2 && !k2s && !pk2;  // under the first stream's scales and rotation (RVQ)
+  if (has_k2) {
+    require(k2w && k2_levels && bool(k2s) == bool(pk2),
+            "k2w and k2_levels go together, with k2s and pk2 both or (levels summed with the first stream's) neither");
+    require(!k_tokens_last, "a second key stream needs per-token keys (k_tokens_last false)");
+    if (k2_summed) {
+      require(k_levels && !kb, "a summed second key stream needs codebook keys (k_levels, no biases)");
+      check_codes("second keys", *k2w, ks, nullptr, false, k2_bits, k_group, B, H, d, n);
+    } else {
+      m2 = pk2->ndim() == 2 ? pk2->shape(0) : -1;
+      require(pk2->dtype() == float32 && m2 >= 8 && m2 <= MAX_D && m2 % 8 == 0 && pk2->shape(1) == d,
+              "pk2 must be float32 (m2, d) with m2 a multiple of 8 up to 256");
+      check_codes("second keys", *k2w, *k2s, nullptr, false, k2_bits, m2, B, H, m2, n);
+    }
+    require(lev_ok(k2_levels, k2_bits), "k2_levels must be float32 (2**k2_bits,)");
+  }
+  if (has_v2) {
+    require(v2w && v2_levels && v_levels && !v_tokens_last && !vb && v_zero == 0.0f,
+            "a second value stream needs v2w and v2_levels, and per-token codebook values (v_levels, no biases)");
+    check_codes("second values", *v2w, vs, nullptr, false, v2_bits, v_group, B, H, dv, n);
+    require(lev_ok(v2_levels, v2_bits), "v2_levels must be float32 (2**v2_bits,)");
+  }
   Params p{k_tokens_last, v_tokens_last, k_bits, k_group, v_bits, v_group, v_zero, bool(kb), bool(kmu), bool(vmu), bool(vb),
-           bool(cmask), bool(emask), bool(sinks), bool(k_levels), bool(v_levels)};
+           bool(cmask), bool(emask), bool(sinks), bool(k_levels), bool(v_levels), has_k2 ? k2_bits : 0,
+           k2_summed ? k_group : (has_k2 ? m2 : 0), has_v2 ? v2_bits : 0, k2_summed};
   // Small inputs are made contiguous; codes and exact tokens are read through their strides (cache views).
   auto c = [](const array& a) { return contiguous(a); };
   std::vector<array> in{c(q), c(pk), c(pv), kw, ks};
@@ -826,6 +1037,18 @@ array coded_decode_attention(const array& q, const array& pk, const array& pv, c
   in.push_back(c(ev));
   for (auto* o : {&kmu, &vmu, &cmask, &emask, &sinks, &k_levels, &v_levels})
     if (*o) in.push_back(c(**o));
+  if (has_k2) {
+    in.push_back(*k2w);
+    if (!k2_summed) {
+      in.push_back(*k2s);
+      in.push_back(c(*pk2));
+    }
+    in.push_back(c(*k2_levels));
+  }
+  if (has_v2) {
+    in.push_back(*v2w);
+    in.push_back(c(*v2_levels));
+  }
   // On the caller's current stream (mlx_lm decodes inside its own generation stream): a primitive on another
   // stream than the ops producing its inputs was measured reading the exact tokens before they were written.
   Stream s = to_stream(StreamOrDevice{});
@@ -845,5 +1068,8 @@ NB_MODULE(_coded_attention, m) {
         nb::arg("vw"), nb::arg("vs"), nb::arg("vb").none(), nb::arg("v_tokens_last"), nb::arg("v_bits"),
         nb::arg("v_group"), nb::arg("v_zero"), nb::arg("ek"), nb::arg("ev"), nb::arg("kmu").none(),
         nb::arg("vmu").none(), nb::arg("cmask").none(), nb::arg("emask").none(), nb::arg("sinks").none(),
-        nb::arg("k_levels").none() = nb::none(), nb::arg("v_levels").none() = nb::none());
+        nb::arg("k_levels").none() = nb::none(), nb::arg("v_levels").none() = nb::none(),
+        nb::arg("k2w").none() = nb::none(), nb::arg("k2s").none() = nb::none(), nb::arg("pk2").none() = nb::none(),
+        nb::arg("k2_levels").none() = nb::none(), nb::arg("k2_bits") = 0, nb::arg("v2w").none() = nb::none(),
+        nb::arg("v2_levels").none() = nb::none(), nb::arg("v2_bits") = 0);
 }
