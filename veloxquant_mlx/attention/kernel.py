@@ -1,8 +1,9 @@
 """The compiled attention on codes (CPU): loading it, what it accepts, and one decode step through it.
 
 `csrc/coded_attention.cpp` is one MLX primitive (``eval_cpu``) that attends one query per row over a history
-of affine codes (`veloxquant_mlx.codecs.contract.AffineCodes`: per-channel block keys, per-token affine or
-symmetric values, any bits MLX packs) plus exact tokens, in one pass over the codes with an online softmax, on
+of codes (`veloxquant_mlx.codecs.contract.AffineCodes`: per-channel block keys, per-token affine or symmetric
+values, any bits MLX packs, codebook codes, and a second code stream: TurboQuant-Prod's QJL signs, RVQ's
+residual codebook) plus exact tokens, in one pass over the codes with an online softmax, on
 every core. The pure-MLX path (`packed_sdpa.attend_one_query`) stays the reference and the fallback: the
 kernel is used only when it was built against the MLX that runs (``build_kernel.py``), passed a check against
 a direct computation on first use, the default device is the CPU and every part is of a kind it reads;

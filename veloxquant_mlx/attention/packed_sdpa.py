@@ -352,7 +352,8 @@ def attend_one_query(queries: mx.array, parts: Sequence[Part], scale: float, sin
     over the parts and ``mx.split`` (this CPU, SmolLM2 shapes, batch 1, one run each). Histories of at most
     `DECODE_SOFTMAX_TOKENS` tokens take one fused ``mx.softmax`` (`_short_softmax_values`).
 
-    Codes a codec describes as `AffineCodes` (affine, symmetric, TurboQuant-MSE) on the CPU run the compiled kernel (`veloxquant_mlx.attention.kernel`) when it is built; this
+    Codes a codec describes as `AffineCodes` (affine, symmetric, and TurboQuant-MSE / -Prod / -RVQ codebook
+    codes) on the CPU run the compiled kernel (`veloxquant_mlx.attention.kernel`) when it is built; this
     function's MLX ops below are its reference (tests/test_kernel.py) and its fallback.
     """
     out = kernel.decode_step(queries, parts, scale, sinks, masks)

@@ -22,6 +22,7 @@ for bit); Prod and RVQ keys encode through their quantizers.
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
@@ -134,6 +135,28 @@ def _encode_mse(quant, packer: CodePacker, x: mx.array) -> Dict[str, mx.array]:
     """``quant.encode(x).arrays()`` (float32 ``x``) with the index quantization and packing fused (same arrays)."""
     u, norms = unit_and_norm(x)
     return {"indices": packer(quant.rotation.apply(u)), "norms": store_norms(norms, quant.norm_dtype)}
+
+
+class _TokenEncoder:
+    """``quant``'s encode of one token per row (a decode step) as one `mx.compile`d graph: a decode step codes a
+    token per layer, and eagerly that is 20-60 small MLX operations of ~10 us each on CPU (TurboQuant-Prod keys
+    0.86 ms per layer, compiled 0.38: benchmarks/e2e_speed.py's Lloyd-Max rows); the same arrays bit for bit
+    (tests/test_codec_contract.py). Longer inputs (prompt chunks, of many shapes) stay eager."""
+
+    def __init__(self, quant):
+        packer = _packer(quant)
+        self._fn = mx.compile((lambda x: quant.encode(x).arrays()) if packer is None else
+                              (lambda x: _encode_mse(quant, packer, x)))
+        self._lock = threading.Lock()  # tracing mutates the compiled function's cache
+
+    def __call__(self, x: mx.array) -> Dict[str, mx.array]:
+        with self._lock:
+            return self._fn(x)
+
+
+@functools.lru_cache(maxsize=None)
+def _token_encoder(quant) -> _TokenEncoder:
+    return _TokenEncoder(quant)
 
 
 def _stream_bits(quant, field: str) -> int:
@@ -295,10 +318,14 @@ class LloydMaxCodec(PerTokenLayout):
         if self.perm is not None:
             xf = _permute(xf, self.perm)
         out: Dict[str, mx.array] = {}
+        one_token = xf.ndim == 4 and xf.shape[2] == 1
         for g, start, width, quant in self._groups():
             xg = xf[..., start: start + width] if width != self.d else xf
             packer = _packer(quant)
-            arrays = quant.encode(xg).arrays() if packer is None else _encode_mse(quant, packer, xg)
+            if one_token:
+                arrays = _token_encoder(quant)(xg)
+            else:
+                arrays = quant.encode(xg).arrays() if packer is None else _encode_mse(quant, packer, xg)
             out.update({f"{g}_{field}": arr for field, arr in arrays.items()})
         return out
 

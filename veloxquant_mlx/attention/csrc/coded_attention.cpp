@@ -11,6 +11,10 @@
 // x = scale * q + bias, for symmetric values x = scale * (q - zero), for codebook codes x = scale * levels[q]):
 //   tokens_first: w (G, n, d*b/32), scales/biases (G, n, d/group)       groups along channels, per token
 //   tokens_last:  w (G, d, n*b/32), scales/biases (G, d, n/group)       groups along tokens, per channel
+// A second stream of codebook codes (tokens first) may follow: for keys one more score term in its own space
+// (TurboQuant-Prod's QJL signs: (pk2 q) . signs * residual norm) or levels summed with the first stream's under
+// its scales (RVQ); for values levels summed with the first stream's (RVQ). Codes of 1-4 bits are unpacked 8 at a
+// time and looked up in registers where AVX2 is available (portable scalar code otherwise).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
