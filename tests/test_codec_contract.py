@@ -365,6 +365,27 @@ def test_lloyd_max_fused_encode_writes_the_quantizers_codes(bits, n_outliers):
         assert mx.array_equal(codes[f], want[f]).item(), f
 
 
+@pytest.mark.parametrize("method,bits,n_outliers", [("turboquant_mse", 4, 0), ("turboquant_mse", 2, 8),
+                                                     ("turboquant_prod", 4, 0), ("turboquant_prod", 3, 8),
+                                                     ("turboquant_rvq", 2, 0), ("turboquant_mse", 8, 0)])
+def test_lloyd_max_one_token_encode_is_the_chunk_encode_bit_for_bit(method, bits, n_outliers):
+    """A decode token is coded by one compiled graph (`lloyd_max._token_encoder`), a chunk eagerly: the same
+    arrays for the same token, a zero token and large values included, in a batch of rows."""
+    from veloxquant_mlx.codecs import LloydMaxCodec
+
+    c = LloydMaxCodec(method, 64, bits, n_outliers=n_outliers, outlier_bits=8)
+    x = mx.concatenate([data(40) * 3.0, data(40) * -0.5], axis=0)  # (2, H, 40, 64)
+    x = mx.concatenate([x[:, :, :1] * 0.0, x[:, :, 1:]], axis=2)
+    c.fit(x[:1])
+    whole = c.encode(x)
+    for t in (0, 1, 39):
+        one = c.encode(x[:, :, t:t + 1])
+        assert sorted(one) == sorted(whole)
+        for f in whole:
+            assert one[f].dtype == whole[f].dtype, f
+            assert mx.array_equal(one[f], whole[f][:, :, t:t + 1]).item(), (f, t)
+
+
 # -- the declared contract: layout, blank fitted arrays, pure fitting -----------------------------------------
 VARIANTS = [{}, {"bits": 2}, {"bits": 3}, {"bits": 8}, {"center_keys": False, "center_values": False},
             {"group_size": 32}, {"group_size": 128}, {"n_outlier_channels": 8, "value_outliers": True},

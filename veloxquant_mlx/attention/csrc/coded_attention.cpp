@@ -527,6 +527,40 @@ void score_tokens(const Codes& C, int64_t g, int R, const float* qc, const float
   }
 }
 
+// 1-bit codes with one scale per token (TurboQuant-Prod's QJL signs): per query row a table over the byte values
+// of each 8 coordinates, lut[(r * bytes + j) * 256 + v] = sum_i q[8j + i] * levels[bit i of v], built once per
+// task; a token's term is then one lookup per byte instead of 8 decoded levels and a dot.
+void build_sign_tables(const float* q, int R, int m, const float* levels, float* lut) {
+  const int nb = m / 8;
+  const float l0 = levels[0], dl = levels[1] - levels[0];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < nb; ++j) {
+      float* T = lut + (int64_t(r) * nb + j) * 256;
+      const float* qq = q + r * m + 8 * j;
+      float base = 0.0f;
+      for (int i = 0; i < 8; ++i) base += qq[i] * l0;
+      T[0] = base;
+      for (int v = 1; v < 256; ++v) T[v] = T[v & (v - 1)] + qq[__builtin_ctz(unsigned(v))] * dl;
+    }
+}
+
+// s[r * TILE + tt] += scale_t * sum_j lut_r[j][byte j of token t] for tokens [t0, t0 + nt) of head g.
+void score_sign_tokens(const Codes& C, int64_t g, int R, const float* lut, int64_t t0, int nt, float* s) {
+  const int nb = C.d / 8;
+  const auto W = C.w.head(g), S = C.scales.head(g);
+  for (int tt = 0; tt < nt; ++tt) {
+    const int64_t t = t0 + tt;
+    const uint8_t* bytes = W.row(t);
+    const float sc = load_scale(S.row(t), C.dtype, 0);
+    for (int r = 0; r < R; ++r) {
+      const float* T = lut + int64_t(r) * nb * 256;
+      float acc = 0.0f;
+      for (int j = 0; j < nb; ++j) acc += T[j * 256 + bytes[j]];
+      s[r * TILE + tt] += sc * acc;
+    }
+  }
+}
+
 // Online softmax over a tile's scores s[r * TILE + tt] (base 2): updates m and l, rescales o, leaves the tile's
 // weights 2**(s - m) in s.
 inline void softmax_tile(Partial& P, int R, int nt, int dv, float* s) {
@@ -611,6 +645,13 @@ void coded_task(const Problem& pr, int64_t g, int64_t t_begin, int64_t t_end, Pa
       }
     }
   }
+  // Sign codes (1 bit, one scale per token, no bias): scored through per-row byte tables.
+  static thread_local std::vector<float> sign_tables;
+  const bool signs = pr.has_k2 && !pr.k2_summed && pr.k2.bits == 1 && pr.k2.group == pr.m2 && pr.k2.levels;
+  if (signs) {
+    sign_tables.resize(size_t(R) * (pr.m2 / 8) * 256);
+    build_sign_tables(q2, R, pr.m2, pr.k2.levels, sign_tables.data());
+  }
   // Keys with groups along tokens: a tile lies in one group, so each channel's scale folds into the query and
   // its bias into a per-row constant; the tile's codes are scored as they are (no decoded copy).
   const bool fold_keys = K.tokens_last && !K.levels && K.biases.base;
@@ -659,7 +700,8 @@ void coded_task(const Problem& pr, int64_t g, int64_t t_begin, int64_t t_end, Pa
     } else {
       score_tokens<false>(K, g, R, qr, qgs, qmu, t0, nt, s, pr.k2_summed ? &pr.k2 : nullptr);
     }
-    if (pr.has_k2 && !pr.k2_summed) score_tokens<true>(pr.k2, g, R, q2, qgs2, nullptr, t0, nt, s);
+    if (signs) score_sign_tokens(pr.k2, g, R, sign_tables.data(), t0, nt, s);
+    else if (pr.has_k2 && !pr.k2_summed) score_tokens<true>(pr.k2, g, R, q2, qgs2, nullptr, t0, nt, s);
     if (mask)
       for (int r = 0; r < R; ++r)
         for (int tt = 0; tt < nt; ++tt)
