@@ -1,7 +1,8 @@
 """The compiled attention on codes (`veloxquant_mlx.attention.kernel`) against its pure-MLX reference.
 
 `packed_sdpa.reference_one_query` is the reference: every codec layout the kernel reads (the codecs offering
-``affine_codes``), at several bit widths, head dims, GQA groups, batches with pad slots, exact sink and tail tokens,
+``affine_codes``, TurboQuant-Prod's and RVQ's second code stream included), at several bit widths, head dims, GQA
+groups, batches with pad slots, exact sink and tail tokens,
 attention-sink logits and scale dtypes, agrees with it to 1e-5 of the output's magnitude in float32. The fallback
 (kernel off, missing, built against another MLX, failing its first-use check) runs the reference with one warning,
 and a model decodes the same logits either way. CI builds the kernel (scripts/setup.sh), so it must be available.

@@ -140,7 +140,7 @@ def _encode_mse(quant, packer: CodePacker, x: mx.array) -> Dict[str, mx.array]:
 class _TokenEncoder:
     """``quant``'s encode of one token per row (a decode step) as one `mx.compile`d graph: a decode step codes a
     token per layer, and eagerly that is 20-60 small MLX operations of ~10 us each on CPU (TurboQuant-Prod keys
-    0.86 ms per layer, compiled 0.38: benchmarks/e2e_speed.py's Lloyd-Max rows); the same arrays bit for bit
+    0.86 ms per layer, compiled 0.38, measured alone: BENCHMARKS.md, issue 29's section); the same arrays bit for bit
     (tests/test_codec_contract.py). Longer inputs (prompt chunks, of many shapes) stay eager."""
 
     def __init__(self, quant):
