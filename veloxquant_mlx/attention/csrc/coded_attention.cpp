@@ -345,42 +345,24 @@ struct Codes {
     for (int j = 0; j < n; ++j) out[j] = levels[codes[j]];
   }
 
-  // Tokens [t0, t0 + nt) of head g decoded (nt <= TILE): CHANNEL_MAJOR writes out[c * TILE + tt] (keys, scored
-  // along tokens), else out[tt * d + c] (values, summed along channels). Strides are compile-time constants so
-  // the natural pairing (tokens-last keys, tokens-first values) runs as contiguous vector loops.
+  // Tokens [t0, t0 + nt) of head g decoded from codes with groups along tokens (per channel; nt <= TILE, inside
+  // one group): CHANNEL_MAJOR writes out[c * TILE + tt] (keys, scored along tokens), else out[tt * d + c]
+  // (values). Codes with groups along channels never come here: their keys are scored token by token
+  // (score_tokens) and their values fold their scales into the weights (coded_task).
   template <bool CHANNEL_MAJOR>
   void decode(int64_t g, int64_t t0, int nt, float* out) const {
     const auto W = w.head(g), S = scales.head(g), Bs = biases.head(g);
     alignas(64) float tmp[MAX_D > TILE ? MAX_D : TILE];
-    if (tokens_last) {  // per channel c (row c): nt consecutive fields, inside one group (TILE divides it)
-      int64_t blk = t0 / group;
-      for (int c = 0; c < d; ++c) {
-        values(W.row(c), t0, nt, tmp);
-        float s = load_scale(S.row(c), dtype, blk);
-        float b = biases.base ? load_scale(Bs.row(c), dtype, blk) : -zero * s;
-        if (CHANNEL_MAJOR) {
-          float* o = out + c * TILE;
-          for (int tt = 0; tt < nt; ++tt) o[tt] = s * tmp[tt] + b;
-        } else {
-          for (int tt = 0; tt < nt; ++tt) out[tt * d + c] = s * tmp[tt] + b;
-        }
-      }
-    } else {  // per token t (row t): d consecutive fields, d / group groups
-      int groups = d / group;
-      for (int tt = 0; tt < nt; ++tt) {
-        int64_t t = t0 + tt;
-        values(W.row(t), 0, d, tmp);
-        for (int k = 0; k < groups; ++k) {
-          float s = load_scale(S.row(t), dtype, k);
-          float b = biases.base ? load_scale(Bs.row(t), dtype, k) : -zero * s;
-          const float* src = tmp + k * group;
-          if (CHANNEL_MAJOR) {
-            for (int c = 0; c < group; ++c) out[(k * group + c) * TILE + tt] = s * src[c] + b;
-          } else {
-            float* o = out + tt * d + k * group;
-            for (int c = 0; c < group; ++c) o[c] = s * src[c] + b;
-          }
-        }
+    const int64_t blk = t0 / group;
+    for (int c = 0; c < d; ++c) {
+      values(W.row(c), t0, nt, tmp);
+      float s = load_scale(S.row(c), dtype, blk);
+      float b = biases.base ? load_scale(Bs.row(c), dtype, blk) : -zero * s;
+      if (CHANNEL_MAJOR) {
+        float* o = out + c * TILE;
+        for (int tt = 0; tt < nt; ++tt) o[tt] = s * tmp[tt] + b;
+      } else {
+        for (int tt = 0; tt < nt; ++tt) out[tt * d + c] = s * tmp[tt] + b;
       }
     }
   }
