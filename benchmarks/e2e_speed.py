@@ -36,7 +36,12 @@ timed two ways:
 Speeds are medians over the repeats; ratios are against ``kv`` in the same loop.
 
     python benchmarks/e2e_speed.py --out results/e2e_speed.json
+    python benchmarks/e2e_speed.py --prompt 8192 --configs all --fill interleaved   # paired prefill ratios, no peak
     python benchmarks/e2e_speed.py --prompt 8192 --configs all --fill plain   # decode only: caches filled from the plain one
+
+``--fill interleaved``: the configs prefill the prompt taking turns chunk by chunk (shuffled order per chunk), so
+their prefill ratios are paired like the decode steps (total kv time / total time, bootstrap interval over the
+chunks) instead of minutes apart; peak memory is not measured then (every cache is alive at once).
 """
 from __future__ import annotations
 
@@ -105,6 +110,34 @@ def prefill(model, cache, prompt, chunk):
         logits = model(prompt[:, start : start + chunk], cache=cache)[:, -1]
         mx.eval(logits)
     return logits
+
+
+def interleaved_prefill(model, caches, prompt, chunk, rng):
+    """Every config prefills ``prompt`` (1, L), the configs taking turns chunk by chunk in a shuffled order (a
+    drift of the machine's speed then hits every config alike); per-chunk seconds and the last logits (1, V)."""
+    import mlx.core as mx
+
+    times, logits = {c: [] for c in caches}, {}
+    for start in range(0, prompt.shape[1], chunk):
+        order = list(caches)
+        rng.shuffle(order)
+        for c in order:
+            with context_for(c):
+                t0 = time.perf_counter()
+                logits[c] = model(prompt[:, start: start + chunk], cache=caches[c])[:, -1]
+                mx.eval(logits[c])
+                times[c].append(time.perf_counter() - t0)
+    return times, logits
+
+
+def paired_prefill_ratio(kv_chunks, chunks, n_boot=2000, seed=0):
+    """Prefill speed vs ``kv`` from chunks taken in turn: ``(total kv time / total time, 2.5 %, 97.5 %)``, the
+    interval a bootstrap over the chunk pairs (seeded)."""
+    rng = random.Random(seed)
+    idx = range(len(chunks))
+    boots = sorted(sum(kv_chunks[i] for i in pick) / sum(chunks[i] for i in pick)
+                   for pick in (rng.choices(idx, k=len(chunks)) for _ in range(n_boot)))
+    return sum(kv_chunks) / sum(chunks), boots[int(0.025 * n_boot)], boots[int(0.975 * n_boot) - 1]
 
 
 def fill_from(cache, plain_cache):
@@ -200,6 +233,14 @@ def paired_step_ratio(kv_steps, steps, n_boot=2000, seed=0):
 
 def print_paired(rows):
     kv = next(r for r in rows if r["config"] == "kv")
+    if kv.get("prefill_chunk_seconds"):
+        print("prefill paired with kv chunk by chunk: total kv time / total time, 95 % bootstrap interval")
+        for r in rows:
+            if r["config"] != "kv":
+                g, lo, hi = paired_prefill_ratio(kv["prefill_chunk_seconds"], r["prefill_chunk_seconds"])
+                print(f"  {r['config']:16s} {g:.3f}x  [{lo:.3f}, {hi:.3f}]  ({len(r['prefill_chunk_seconds'])} chunks)")
+    if not kv.get("step_seconds"):
+        return
     print("decode[step] paired with kv step by step: geometric mean of kv_time / time, 95 % bootstrap interval")
     for r in rows:
         if r["config"] != "kv" and r.get("step_seconds"):
@@ -226,9 +267,12 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0, help="turn order of the interleaved steps")
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"comma list of {CONFIGS} or registered methods, or 'all'")
     ap.add_argument("--loops", default=",".join(LOOPS), help=f"comma list of {LOOPS}")
-    ap.add_argument("--fill", choices=("prefill", "plain"), default="prefill",
-                    help="prefill: every config prefills the prompt itself (timed, peak measured); plain: only kv "
-                         "prefills, every other cache is filled with its keys/values (decode speed only)")
+    ap.add_argument("--fill", choices=("prefill", "interleaved", "plain"), default="prefill",
+                    help="prefill: every config prefills the prompt itself, one after another (timed, peak "
+                         "measured); interleaved: every config prefills it, the configs taking turns chunk by chunk "
+                         "(paired prefill ratios that a drift of the machine's speed does not bias; no peak); "
+                         "plain: only kv prefills, every other cache is filled with its keys/values (decode speed "
+                         "only)")
     ap.add_argument("--out", default="results/e2e_speed.json")
     ap.add_argument("--summarize", metavar="JSON", help="print the paired step ratios of a saved run and exit")
     args = ap.parse_args(argv)
@@ -273,14 +317,24 @@ def main(argv=None):
     caches, first, prefill_tps, peak, stored = {}, {}, {}, {}, {}
     decode_tps = {(c, lp): [] for c in configs for lp in loops}
     configs = ["kv"] + [c for c in configs if c != "kv"]  # kv first: --fill plain copies its keys/values
+    rng = random.Random(args.seed)
+    chunk_times = {}
+    if args.fill == "interleaved":  # pass 0: every config prefills, chunk by chunk in turn
+        caches = {c: make_cache(c, model) for c in configs}
+        chunk_times, logits = interleaved_prefill(model, caches, prompt, args.chunk, rng)
+        for c in configs:
+            prefill_tps[c], first[c] = prompt.shape[1] / sum(chunk_times[c]), mx.argmax(logits[c], axis=-1)
+        print("prefill (interleaved): " + "  ".join(f"{c} {prefill_tps[c]:.1f}" for c in configs), flush=True)
     for c in configs:  # pass 1: prefill, one mlx_lm decode pass, peak memory (this config's cache the only new one)
         gc.collect()
         mx.clear_cache()
         others = mx.get_active_memory() - held_at_start  # earlier configs' caches, kept for pass 2
         mx.reset_peak_memory()
-        cache = make_cache(c, model)
+        cache = caches[c] if args.fill == "interleaved" else make_cache(c, model)
         with context_for(c):
-            if args.fill == "plain" and c != "kv":
+            if args.fill == "interleaved":
+                pass
+            elif args.fill == "plain" and c != "kv":
                 fill_from(cache, caches["kv"])
                 prefill_tps[c], first[c] = None, first["kv"]
             else:
@@ -290,13 +344,13 @@ def main(argv=None):
                 first[c] = mx.argmax(logits, axis=-1)
             if "mlx_lm" in loops:
                 decode_tps[(c, "mlx_lm")].append(decode_mlx_lm(model, cache, first[c], args.decode))
-        peak[c] = None if args.fill == "plain" and c != "kv" else mx.get_peak_memory() - others
+        peak[c] = None if args.fill == "interleaved" or (args.fill == "plain" and c != "kv") else \
+            mx.get_peak_memory() - others
         stored[c] = sum(int(getattr(x, "live_nbytes", x.nbytes)) for x in cache)
         caches[c] = cache
         print(f"{c:16s} prefill {_num(prefill_tps[c], 7, 1)} tok/s  peak {_num(peak[c], 7, 1, 2**20)} MiB  "
               + "  ".join(f"decode[{lp}] {v[-1]:6.2f}" for (cc, lp), v in decode_tps.items() if cc == c and v),
               flush=True)
-    rng = random.Random(args.seed)
     step_times = {c: [] for c in configs}
     for r in range(args.repeats):  # pass 2
         if "step" in loops:
@@ -324,6 +378,8 @@ def main(argv=None):
             row.update({f"decode_{lp}_tok_s": d, f"decode_{lp}_vs_kv": d / d_kv, f"decode_{lp}_runs": decode_tps[(c, lp)]})
         if "step" in loops:
             row["step_seconds"] = step_times[c]
+        if chunk_times:
+            row["prefill_chunk_seconds"] = chunk_times[c]
         rows.append(row)
     if args.fill == "plain":
         print("\n--fill plain: only kv prefilled the prompt; every other cache holds its keys/values (no prefill speed "
@@ -340,7 +396,7 @@ def main(argv=None):
         for lp in loops:
             line += f" {row[f'decode_{lp}_tok_s']:14.2f} {row[f'decode_{lp}_vs_kv']:6.2f}"
         print(line + f" {_num(row['peak_mib'], 9, 1)} {row['cache_mib']:9.2f}")
-    if "step" in loops:
+    if "step" in loops or chunk_times:
         print_paired(rows)
     out = {"model": args.model, "prompt": args.prompt, "chunk": args.chunk, "decode": args.decode, "fill": args.fill,
            "repeats": args.repeats, "loops": loops, "blas": blas_name(), "machine": machine(),

@@ -24,6 +24,7 @@ from veloxquant_mlx.eval import (
     window_starts,
 )
 from veloxquant_mlx.eval import corpus as corpus_mod
+from veloxquant_mlx.options import CacheOptions
 
 
 # ----------------------------------------------------------------------------- tiny model
@@ -60,12 +61,14 @@ def test_lockstep_registered_specs_on_tiny_model(tiny_model, random_tokens, atte
         # stored format: b-bit codes + a float32 scale and bias per 64 coordinates
         assert r[f"mlx-q{b}"]["memory"]["bits_per_coordinate"] == pytest.approx(b + 2 * 32 / 64)
     assert kv["memory"]["bits_per_coordinate"] == pytest.approx(32.0)
-    # tq-mse, per layer and head (1 kv head, d = 64), K and V alike: the 4 sink tokens in float32, the other
-    # 252 as b-bit indices in uint32 words + a bfloat16 norm (the live tokens: a store's spare step capacity is
-    # not counted), and a fitted bfloat16 channel mean.
+    # tq-mse, per layer and head (1 kv head, d = 64), K and V alike: the 4 sink tokens in float32, the other 252
+    # coded code_batch at a time: whole batches as b-bit indices in uint32 words + a bfloat16 norm (the live tokens:
+    # a store's spare step capacity is not counted), the rest waiting in float32; and a fitted bfloat16 channel mean.
     d, n = 64, 256
+    waiting = 252 % CacheOptions().code_batch
+    assert waiting  # (the layout this counts: some tokens wait exact)
     for b in (4, 3, 2):
-        per_stream = 4 * d * 4 + 252 * (4 * math.ceil(d * b / 32) + 2) + d * 2  # bytes
+        per_stream = (4 + waiting) * d * 4 + (252 - waiting) * (4 * math.ceil(d * b / 32) + 2) + d * 2  # bytes
         assert r[f"tq-mse-k{b}v{b}"]["memory"]["bits_per_coordinate"] == pytest.approx(8 * per_stream / (n * d))
     # top-1 agreement: the plain cache's greedy token is kept at least as often as the coarser method keeps it
     assert r["tq-affine-k8v8"]["top1"] >= r["tq-mse-k4v4"]["top1"] >= r["tq-mse-k2v2"]["top1"]

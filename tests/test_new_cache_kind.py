@@ -124,9 +124,15 @@ def test_a_new_cache_kind_is_one_module_and_one_line(new_kind, tmp_path):
             for s in seqs:
                 model(mx.array([[t]]), cache=s)
         for i, s in enumerate(seqs):
-            for b, alone in zip(batch, s):
+            for layer, (b, alone) in enumerate(zip(batch, s)):
                 row = b.extract(i)
                 assert type(row) is new_kind.TurboQuantStreamingCache
                 sa, sb = row.state, alone.state
-                assert sa["meta"] == sb["meta"]
-                assert all(mx.array_equal(sa[n], sb[n]).item() for n in sa if n != "meta")
+                assert sa["meta"] == sb["meta"] and set(sa) == set(sb)
+                # layer 0 stores the same inputs: the same arrays; deeper layers' inputs come through attention,
+                # whose compiled kernel agrees with itself across batch layouts to 1e-5 (tests/test_kernel.py), not
+                # bit for bit (its online softmax runs over tiles of tokens, which fall differently around pad and
+                # evicted slots)
+                for n in set(sa) - {"meta"}:
+                    same = mx.array_equal(sa[n], sb[n]) if layer == 0 else mx.allclose(sa[n], sb[n], atol=1e-5)
+                    assert same.item(), (layer, n)

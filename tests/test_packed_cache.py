@@ -12,6 +12,9 @@ from mlx_lm.models.cache import RotatingKVCache
 
 from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache, TurboQuantRotatingPackedCache
 from veloxquant_mlx.config import KVCacheConfig
+from veloxquant_mlx.options import CacheOptions
+
+CODE_BATCH = CacheOptions().code_batch  # the default
 
 D = 16
 
@@ -115,6 +118,37 @@ def test_sink_and_recent_tokens_are_exact():
     assert not mx.allclose(keys[:, :, coded], k_all[:, :, coded], atol=1e-3)
     # The tail also holds trim_headroom (8) older tokens, which read as coded ones.
     assert (cache.rows.sink_n[0], cache.n_coded, cache.rows.tail_n[0]) == (3, n - 3 - 12, 12)
+
+
+def test_per_token_codes_without_exact_window_code_a_batch_at_a_time():
+    # recent=0: whole CODE_BATCH batches are coded (counted from the first coded token, however the tokens came);
+    # the newest ones wait exact, like a block codec's incomplete block; decode tokens join them one at a time.
+    cache = TurboQuantPackedCache(cfg(), sink=2)
+    k, v = kv(T=2 + 3 * CODE_BATCH + 5, seed=3)
+    for lo, hi in ((0, 7), (7, 2 + CODE_BATCH + 1)) + tuple((t, t + 1) for t in range(2 + CODE_BATCH + 1, k.shape[2])):
+        keys, values = cache.update_and_fetch(k[:, :, lo:hi], v[:, :, lo:hi])
+        n_after_sink = hi - 2
+        assert (cache.rows.sink_n[0], cache.n_coded, cache.rows.tail_n[0]) == \
+            (2, n_after_sink // CODE_BATCH * CODE_BATCH, n_after_sink % CODE_BATCH)
+    n = k.shape[2]
+    exact = [0, 1] + list(range(n - 5, n))
+    assert mx.array_equal(keys[:, :, exact], k[:, :, exact]) and mx.array_equal(values[:, :, exact], v[:, :, exact])
+    coded = slice(2, n - 5)
+    assert 0.05 < rel_err(keys[:, :, coded], k[:, :, coded]) < 0.2
+    # the codes equal those of the same tokens coded in one call (a per-token codec's codes do not depend on
+    # which batch a token was coded in)
+    whole = TurboQuantPackedCache(cfg(), sink=2)
+    keys_whole, _ = whole.update_and_fetch(k[:, :, :7], v[:, :, :7])  # (the same first chunk: the same fit)
+    keys_whole, _ = whole.update_and_fetch(k[:, :, 7:], v[:, :, 7:])
+    assert mx.array_equal(keys_whole, keys)
+    # code_batch=1: every token is coded on arrival, the same codes
+    one = TurboQuantPackedCache(cfg(), sink=2, code_batch=1)
+    one.update_and_fetch(k[:, :, :7], v[:, :, :7])
+    for t in range(7, n):
+        keys_one, _ = one.update_and_fetch(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        assert (one.n_coded, one.rows.tail_n[0]) == (t - 1, 0)
+    assert mx.array_equal(keys_one[:, :, :n - 5], keys[:, :, :n - 5])
+    assert not mx.array_equal(keys_one[:, :, n - 5:], k[:, :, n - 5:])
 
 
 @settings(max_examples=15, deadline=None)

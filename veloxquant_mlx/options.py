@@ -56,6 +56,10 @@ class CacheOptions:
     k_bits / v_bits: key / value bits (v_bits None = k_bits); an int, or a tuple with one per layer.
     sink: first tokens kept exact. recent: last tokens kept exact. trim_headroom: exact copies kept so that
         ``trim(n <= trim_headroom)`` leaves the last ``recent`` tokens exact.
+    code_batch: per-token codecs without an exact window code their tokens this many at a time, counted from the
+        first coded token (the newest up to ``code_batch - 1`` wait exact, as a block codec's incomplete block
+        does); 1 codes every token on arrival. Coding a decode token costs a fixed ~0.6-0.8 ms per layer here
+        whatever the batch (BENCHMARKS.md). Block codecs code whole blocks; exact windows code tokens as they leave.
     center_keys / center_values: code ``x - mu`` with ``mu`` a per-head channel mean fitted on the first tokens.
     value_outliers: values get outlier channels too. n_outlier_channels / outlier_bits: key channels coded apart.
     group_size: affine group size (affine codecs; for affine_block also the key block in tokens).
@@ -71,6 +75,7 @@ class CacheOptions:
     sink: int = 0
     recent: int = 0
     trim_headroom: int = 8
+    code_batch: int = 16
     center_keys: bool = True
     center_values: bool = True
     value_outliers: bool = False
@@ -92,6 +97,7 @@ class CacheOptions:
         for name, lo in (("sink", 0), ("recent", 0), ("trim_headroom", 0), ("seed", 0), ("n_outlier_channels", 0)):
             set_(name, check_int(name, getattr(self, name), lo))
         set_("outlier_bits", check_int("outlier_bits", self.outlier_bits, 1, 8))
+        set_("code_batch", check_int("code_batch", self.code_batch, 1, 4096))
         set_("jl_dim", check_int("jl_dim", self.jl_dim, 1, optional=True))
         set_("head_dim", check_int("head_dim", self.head_dim, 1, optional=True))
         for name in ("center_keys", "center_values", "value_outliers"):

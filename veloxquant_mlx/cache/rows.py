@@ -9,8 +9,10 @@ Each row (sequence) ``i`` keeps, in temporal order, ``[sink | codes | tail]``:
   never attended (``pin = keep - sink``), dropped for every row at once when all rows have evicted enough;
 - tail ``(B, H, L, d)`` exact: row i's newest ``tail_n[i]`` tokens, right-aligned (new tokens arrive at the end
   for every row). The tail holds the last ``recent`` tokens plus up to ``trim_headroom`` older ones (read through
-  an encode/decode round trip, exactly as coded tokens read) and, for block codecs, up to ``block - 1`` more that
-  wait for their block.
+  an encode/decode round trip, exactly as coded tokens read) and up to ``code_step - 1`` more that wait for their
+  turn: a block codec codes whole blocks, a per-token codec without an exact window ``options.code_batch`` tokens
+  at a time (no headroom then: nothing is kept exact that a trim would need). Whole steps are counted from the row's first
+  coded token, so what is stored depends on the token count only, never on how the tokens were chunked.
 
 Free slots (after a row's codes, before its tail) are padding: finite, never attended. Fitted codec parameters
 are per (sequence, head): rows fit at the moment and on the tokens they would alone, and the codecs see the batch
@@ -215,6 +217,18 @@ class Rows:
     def block(self) -> int:
         return self.base[0].token_block if self.base is not None else 1
 
+    @property
+    def code_step(self) -> int:
+        """Tokens coded together (see the module docstring): a block, ``options.code_batch``, or 1 with an exact
+        window (its tokens are coded as they leave it)."""
+        return self.block if self.block > 1 else (1 if self.options.recent else self.options.code_batch)
+
+    @property
+    def exact_keep(self) -> int:
+        """Newest tokens every row keeps in its tail besides those waiting for their step."""
+        o = self.options
+        return o.recent + o.trim_headroom if self.block > 1 or o.recent else 0
+
     def setup(self, k_dim: int, v_dim: int, heads: int) -> None:
         """Make the codecs and their stores once the head dims are known (first update, or a restore)."""
         if self.options.head_dim is not None and self.options.head_dim != k_dim:
@@ -277,11 +291,12 @@ class Rows:
         if self.dims is None:
             self.setup(keys.shape[-1], values.shape[-1], keys.shape[1])
         o = self.options
-        if lead is None and T == 1 and self.block > 1 and self.B and min(self.sink_n) >= o.sink:
+        if lead is None and T == 1 and self.code_step > 1 and self.B and min(self.sink_n) >= o.sink \
+                and not self.window and (self.block > 1 or all(self.fitted)):  # (per-token codecs fit on arrival)
             # A decode step (~30 per token): every row's one token joins its tail, without the bookkeeping below.
             self.tail.append({"k": keys, "v": values})
             self.tail_n = [t + 1 for t in self.tail_n]
-            if max(self.tail_n) >= o.recent + o.trim_headroom + self.block:  # some row has a block to code
+            if max(self.tail_n) >= self.exact_keep + self.code_step:  # some row has a step to code
                 self._code_tail()
             self.lengths = [n + 1 for n in self.lengths]
             return
@@ -293,11 +308,8 @@ class Rows:
         if any(s):
             self._fill_sink(keys, values, lead, s)
         rest = [r - x for r, x in zip(real, s)]
-        if self.block == 1 and o.recent == 0:
-            self._code_direct(keys, values, [a + x for a, x in zip(lead, s)], rest)
-        else:
-            self._append_tail(keys, values, lead, real, rest)
-            self._code_tail()
+        self._append_tail(keys, values, lead, real, rest)
+        self._code_tail()
         self.lengths = [n + r for n, r in zip(self.lengths, real)]
         if self.window:  # ... and max_size after a one-token update
             self.evict([self.window[0] if r == 1 else None for r in real])
@@ -322,25 +334,6 @@ class Rows:
         self.k_codes.write_row(i, self.coded[i], self.row_codec(0, i).encode(k), self.B)
         self.v_codes.write_row(i, self.coded[i], self.row_codec(1, i).encode(v), self.B)
 
-    def _code_direct(self, keys, values, start, count) -> None:
-        """Per-token codecs without an exact window: row r's ``count[r]`` tokens from chunk position ``start[r]``
-        are coded on arrival (fitted first, on them, as alone)."""
-        for i in range(self.B):
-            if count[i] and not self.fitted[i]:
-                sl = (slice(i, i + 1), slice(None), slice(start[i], start[i] + count[i]))
-                self._fit_row(i, keys[sl], values[sl])
-        if keys.shape[2] == 1 and self.B > 1:  # decode: one scatter for all rows (a row coding nothing: a free slot)
-            for store, codec, x in ((self.k_codes, self.k_codec, keys), (self.v_codes, self.v_codec, values)):
-                store.reserve(self.B, max(self.coded) + 1)
-                codes = codec.encode(fold(x))
-                store.put_rows(self.coded, {f: a.reshape((self.B, self.heads) + a.shape[2:]) for f, a in codes.items()})
-        else:
-            for i in range(self.B):
-                if count[i]:
-                    sl = (slice(i, i + 1), slice(None), slice(start[i], start[i] + count[i]))
-                    self._write(i, keys[sl], values[sl])
-        self.coded = [c + n for c, n in zip(self.coded, count)]
-
     def _append_tail(self, keys, values, lead, real, rest) -> None:
         """The chunk joins the tail; rows whose real tokens do not end the chunk (right padding) are rolled so
         that every row's tail is its last ``tail_n`` slots, and pad slots are zeroed (NaN there changes nothing)."""
@@ -362,11 +355,13 @@ class Rows:
         self.drop_tail_padding()
 
     def _code_tail(self) -> None:
-        """Rows code their oldest whole blocks beyond the exact window and the trim headroom (fitted first, on
-        their whole tail, once they hold a token to code or to read as coded)."""
-        blk, L, o = self.block, self.tail.length, self.options
-        n_code = [max(t - o.recent - o.trim_headroom, 0) // blk * blk for t in self.tail_n]
-        fit = [not f and (n > 0 or (blk == 1 and t > o.recent)) for f, n, t in zip(self.fitted, n_code, self.tail_n)]
+        """Rows code their oldest whole steps beyond the exact window and the trim headroom (fitted first, on
+        their whole tail, once they hold a token to code or to read as coded: a per-token codec on its first
+        tokens after the sink, as when it coded them on arrival)."""
+        step, L, o = self.code_step, self.tail.length, self.options
+        n_code = [max(t - self.exact_keep, 0) // step * step for t in self.tail_n]
+        fit = [not f and (n > 0 or (self.block == 1 and t > o.recent))
+               for f, n, t in zip(self.fitted, n_code, self.tail_n)]
         if not (any(n_code) or any(fit)):
             return
         view = self.tail.view()

@@ -1,0 +1,163 @@
+"""Where a decode step's time goes, per cache: the whole step, storing the step's token, attention, the rest.
+
+A DIAGNOSIS, not a speed figure (the speed figures are `e2e_speed.py`'s paired ratios). Per config: a real
+chunked prefill of ``--prompt`` tokens through SmolLM2, then, in rounds where the configs take turns:
+
+- ``step``: one greedy decode step (``model(token, cache)`` + ``mx.eval``), as `e2e_speed.py` times it;
+- ``store``: every layer's ``update_and_fetch`` of one new token (random keys/values of the model's shape), then
+  one ``mx.eval`` of everything the caches hold;
+- ``attention``: then every layer's attention of one random query group over what it holds (ours:
+  ``attend_packed``, the kernel when built; mlx_lm's ``KVCache``: ``mx.fast.scaled_dot_product_attention`` on its
+  stored slots; ``QuantizedKVCache``: mlx_lm's quantized SDPA), one ``mx.eval``; the caches are trimmed back;
+- ``rest`` = step - store - attention: the model's own layers and the Python around them.
+
+The parts are timed apart, so lazy evaluation inside a real step may overlap them: ``rest`` is an estimate.
+Milliseconds are medians over ``--rounds`` (each round: ``--steps`` of each part per config).
+
+    python benchmarks/step_profile.py --prompt 4096 --configs kv,tq-affine-k8v4,tq-prod-k4v4,tq-rvq-k2v2
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def held(c) -> list:
+    """The arrays a cache holds (ours: every stored array; mlx_lm's: its key/value buffers)."""
+    from mlx.utils import tree_flatten
+
+    if hasattr(c, "rows"):
+        return c.rows.arrays()
+    return [a for _, a in tree_flatten([c.keys, c.values])]
+
+
+def attend(c, queries, scale):
+    """One layer's attention of ``queries`` ``(1, Hq, 1, d)`` over everything ``c`` holds."""
+    import mlx.core as mx
+    import mlx_lm.models.base as mlx_base
+
+    if hasattr(c, "attend_packed"):
+        return c.attend_packed(queries, scale, None)
+    if c.__class__.__name__ == "QuantizedKVCache":  # mlx_lm's quantized SDPA over its codes
+        kq, vq = ([a[..., : c.offset, :] for a in x] for x in (c.keys, c.values))
+        return mlx_base.quantized_scaled_dot_product_attention(queries, kq, vq, scale=scale, mask=None,
+                                                               group_size=c.group_size, bits=c.bits)
+    k, v = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
+    return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=None)
+
+
+def store_and_attend(cache, keys, values, queries, scale):
+    """Every layer stores one token ``(1, Hkv, 1, d)`` (evaluated: seconds ``store``), then attends ``queries``
+    over what it holds (evaluated: seconds ``attention``); the caches are trimmed back."""
+    import mlx.core as mx
+
+    t0 = time.perf_counter()
+    for c in cache:
+        c.update_and_fetch(keys, values)
+    mx.eval([held(c) for c in cache])
+    t1 = time.perf_counter()
+    mx.eval([attend(c, queries, scale) for c in cache])
+    t2 = time.perf_counter()
+    for c in cache:
+        c.trim(1)
+    return t1 - t0, t2 - t1
+
+
+def main(argv=None):
+    from veloxquant_mlx.blas import ensure_openblas, loaded_blas as blas_name
+
+    ensure_openblas()
+
+    import mlx.core as mx
+
+    from e2e_speed import context_for, decode_step, machine, make_cache, prefill, registered
+    from veloxquant_mlx.attention import kernel as attention_kernel
+    from veloxquant_mlx.eval import corpus_tokens
+    from veloxquant_mlx.models.loader import load_model
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--prompt", type=int, default=4096)
+    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=8, help="timings of each part per config and round")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--configs", default="kv,tq-affine-k8v4,tq-mse-k4v4,tq-prod-k4v4,tq-rvq-k2v2")
+    ap.add_argument("--out", default="results/step_profile.json")
+    args = ap.parse_args(argv)
+    configs = [c for c in args.configs.split(",") if c]
+    bad = [c for c in configs if c not in ("kv", "mlx-q4") and registered(c) is None]
+    if bad:
+        raise ValueError(f"--configs must name kv, mlx-q4 or registered TurboQuant methods; got {bad}")
+    for name in ("prompt", "chunk", "steps", "rounds"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    print(f"BLAS: {blas_name()}; machine: {machine()}; attention on codes: {attention_kernel.status()[1]}")
+    print("DIAGNOSIS: parts timed apart (see the docstring); speed figures come from e2e_speed.py", flush=True)
+
+    model, tok = load_model(args.model)
+    ids = corpus_tokens(tok)
+    while len(ids) < args.prompt:
+        ids = ids + ids
+    prompt = mx.array([ids[: args.prompt]])
+    args_model = model.args
+    n_kv = args_model.num_key_value_heads
+    n_q = args_model.num_attention_heads
+    d = getattr(args_model, "head_dim", None) or args_model.hidden_size // n_q
+
+    caches, tokens = {}, {}
+    for c in configs:
+        gc.collect()
+        mx.clear_cache()
+        cache = make_cache(c, model)
+        with context_for(c):
+            logits = prefill(model, cache, prompt, args.chunk)
+        caches[c], tokens[c] = cache, mx.argmax(logits, axis=-1)
+        print(f"{c}: prefilled {args.prompt} tokens", flush=True)
+
+    rng = random.Random(0)
+    times = {c: {"step": [], "store": [], "attention": []} for c in configs}
+    key = mx.random.key(0)
+    for _ in range(args.rounds):
+        for _ in range(args.steps):
+            order = list(configs)
+            rng.shuffle(order)
+            key, k1, k2, k3 = mx.random.split(key, 4)
+            k, v, q = (mx.random.normal(s, key=r) for s, r in (((1, n_kv, 1, d), k1), ((1, n_kv, 1, d), k2),
+                                                               ((1, n_q, 1, d), k3)))
+            mx.eval(k, v, q)
+            for c in order:
+                with context_for(c):
+                    t0 = time.perf_counter()
+                    tokens[c] = decode_step(model, caches[c], tokens[c])
+                    times[c]["step"].append(time.perf_counter() - t0)
+                    for layer in caches[c]:
+                        layer.trim(1)
+                    store, attention = store_and_attend(caches[c], k, v, q, d ** -0.5)
+                    times[c]["store"].append(store)
+                    times[c]["attention"].append(attention)
+
+    rows = []
+    print(f"\nmilliseconds per decode step at {args.prompt} tokens, {len(caches[configs[0]])} layers (medians)")
+    print(f"{'config':16s} {'step':>8s} {'store':>8s} {'attention':>10s} {'rest':>8s}")
+    for c in configs:
+        med = {p: 1e3 * statistics.median(v) for p, v in times[c].items()}
+        med["rest"] = med["step"] - med["store"] - med["attention"]
+        rows.append({"config": c, **{p + "_ms": round(x, 3) for p, x in med.items()}})
+        print(f"{c:16s} {med['step']:8.1f} {med['store']:8.1f} {med['attention']:10.1f} {med['rest']:8.1f}")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"machine": machine(), "blas": blas_name(), "prompt": args.prompt, "steps": args.steps,
+                   "rounds": args.rounds, "kernel": attention_kernel.status()[1], "rows": rows}, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
