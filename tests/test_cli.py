@@ -34,6 +34,7 @@ def _one_line_error(err: str) -> str:
         (["plan", "--layers", "30", "--kv-heads", "3", "--head-dim", "64"], r"--ram-gb"),
         (["eval", "needle", "--depths", "1.5"], r"depths must be within"),
         (["frobnicate"], r"invalid choice"),
+        (["calibrate"], r"--out"),
         ([], r"required"),
     ],
 )
@@ -153,6 +154,32 @@ def test_demo_small(smollm2, capsys, tmp_path, attention_on_codes):
     # the near-lossless 8-bit cache answers exactly as the plain cache does
     assert methods["tq-affine-k8v8"]["answer"] == methods["kv"]["answer"]
     assert attention_on_codes["attend_packed"] >= 2 * len(smollm2[0].layers) * 4
+
+
+@pytest.mark.model
+def test_calibrate_then_eval_and_generate_with_it(smollm2, capsys, tmp_path, attention_on_codes):
+    text = tmp_path / "cal.txt"
+    text.write_text("Lighthouses guided ships along dangerous coasts for centuries. " * 60, encoding="utf-8")
+    cal = tmp_path / "cal.safetensors"
+    rc = main(["calibrate", "--text-file", str(text), "--max-tokens", "300", "--out", str(cal), "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 0 and cal.is_file() and "300 tokens of cal.txt" in out and f"--calibration {cal}" in out
+    res = tmp_path / "eval.json"
+    rc = main(["eval", "ppl", "--methods", "tq-4b", "--contexts", "128", "--calibration", str(cal), "--no-progress",
+               "--out", str(res)])
+    assert rc == 0
+    rows = json.loads(res.read_text())["ppl"]["128"]
+    assert set(rows) == {"kv", "tq-4b", "tq-4b+cal"}
+    assert rows["tq-4b+cal"]["memory"]["bits_per_coordinate"] == rows["tq-4b"]["memory"]["bits_per_coordinate"]
+    capsys.readouterr()
+    rc = main(["generate", "--prompt", "What is the capital of France?", "--max-tokens", "8", "--calibration", str(cal)])
+    assert rc == 0 and "Paris" in capsys.readouterr().out
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"not a calibration")
+    rc = main(["generate", "--prompt", "x", "--calibration", str(bad)])
+    assert rc == 1 and "bad.safetensors" in _one_line_error(capsys.readouterr().err)
+    rc = main(["generate", "--prompt", "x", "--method", "kv", "--calibration", str(cal)])
+    assert rc == 1 and "compressed" in _one_line_error(capsys.readouterr().err)
 
 
 def test_real_subprocess(tmp_path):

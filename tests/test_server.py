@@ -233,6 +233,22 @@ def test_server_lifetime_installs_then_removes_the_attention_hook(serve, tiny_mo
     assert not handle.response_generator.generation_available()
 
 
+def test_server_takes_a_calibration_of_its_model_only(serve, tiny_model, random_tokens, tmp_path, caplog):
+    cal = vq.calibrate(tiny_model, random_tokens[:200])
+    path = str(tmp_path / "cal.safetensors")
+    cal.save(path)
+    with caplog.at_level("INFO", logger="veloxquant_mlx.server"):
+        handle = serve(tiny_model, None, "--calibration", path)
+    assert f"calibration {cal.id}" in caplog.text and handle.batching[0] is True
+    handle.close()
+    other = vq.calibrate(tiny_model, random_tokens[:200])
+    object.__setattr__(other, "model", {**other.model, "digest": "0" * 32})
+    bad = str(tmp_path / "other.safetensors")
+    other.save(bad)
+    with pytest.raises(ValueError, match="other.safetensors.*was measured on"):
+        serve(tiny_model, None, "--calibration", bad)
+
+
 def test_answers_and_prompt_cache_reuse_match_the_library(serve, smollm2, on_codes):
     """Greedy answers equal mlx_lm's generation on the same compressed caches: a first request and a
     follow-up turn that continues the first turn's cached compressed history."""

@@ -36,6 +36,8 @@ _EXPORTS = {
     "disable": "veloxquant_mlx.integration",
     "is_enabled": "veloxquant_mlx.integration",
     "enabled_options": "veloxquant_mlx.integration",
+    "calibrate": "veloxquant_mlx.calibration.measure",
+    "Calibration": "veloxquant_mlx.calibration.file",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

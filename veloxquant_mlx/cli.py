@@ -1,4 +1,4 @@
-"""``veloxquant``: demo, generate, eval (ppl | needle | speed), methods, plan, serve.
+"""``veloxquant``: demo, generate, eval (ppl | needle | speed), methods, plan, serve, calibrate.
 
 Every compressed default is `veloxquant_mlx.options.DEFAULT_NAME` (``generate``, ``serve``; ``methods`` marks it).
 
@@ -29,7 +29,9 @@ from .eval import corpus_tokens, passkey_eval, perplexity_eval, speed_eval
 from .eval.corpus import CORPORA, CorpusMissing, DEFAULT_CORPUS
 from .eval.forward import greedy_decode, prefill
 from .eval.memory import DEFAULT_CONTEXT, measure_bytes_per_token, model_kv_shape, plan_context
-from .eval.specs import baseline_specs, registered_specs, resolve_spec
+from .calibration.file import Calibration
+from .calibration.measure import calibrate
+from .eval.specs import baseline_specs, registered_specs, resolve_spec, with_calibration
 from .integration import disable, enable, use_packed_attention
 from .models import ModelPackageMissing, load_model, max_context
 from .options import DEFAULT_NAME
@@ -113,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="keep GGUF weights 4/8-bit quantized (slower on CPU) instead of float32")
         q.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
+    def calibration_opt(q, what="the compressed caches use its channel weights"):
+        q.add_argument("--calibration", metavar="FILE", help=f"a calibration of this model (`veloxquant calibrate`): "
+                                                             f"{what}")
+
     def methods_opt(q):
         q.add_argument("--methods", default="all", help="comma-separated method names, or 'all' (default)")
 
@@ -137,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="no chat template: continue the prompt text")
     g.add_argument("--pipeline", action="store_true",
                    help="under mlx.launch: split the layers over the ranks (default: tensor parallel, split heads)")
+    calibration_opt(g)
 
     e = sub.add_parser("eval", help="perplexity/KL, passkey retrieval or speed; JSON output")
     esub = e.add_subparsers(dest="eval_kind", metavar="KIND", parser_class=_Parser)
@@ -160,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"evaluation text (default {DEFAULT_CORPUS}; each installed by scripts/setup.sh)")
         if q is not ep:
             q.set_defaults(plot=None)
+        calibration_opt(q, "every compressed method is also run with it (a '+cal' row each)")
 
     m = sub.add_parser("methods", help="registered methods with measured bytes per token per layer (marks the default)")
     m.add_argument("--head-dim", type=_positive_int, default=64)
@@ -170,6 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--kv-heads", type=_positive_int, required=True)
     pl.add_argument("--head-dim", type=_positive_int, required=True)
     pl.add_argument("--ram-gb", type=_positive_float, required=True, help="memory for the KV cache, GiB")
+    c = sub.add_parser("calibrate", help="measure a model once for calibrated caches (--calibration FILE)")
+    model_opt(c)
+    c.add_argument("--out", required=True, help="the calibration file to write (.safetensors)")
+    c.add_argument("--text-file", help="calibration text (UTF-8); default: the model's own answers to fixed prompts")
+    c.add_argument("--max-tokens", type=_positive_int, default=4096, help="tokens of --text-file used (default 4096)")
+
     sv = sub.add_parser("serve", help="OpenAI-compatible server (mlx_lm.server) with compressed KV caches")
     add_serve_arguments(sv)
     return p
@@ -186,6 +200,16 @@ def _load(args):
     model, tok = load_model(args.model, quantized=args.quantized_weights)
     _say(f"model {args.model} loaded in {time.perf_counter() - t0:.1f} s; BLAS: {loaded_blas()}")
     return model, tok
+
+
+def _load_calibration(args, model):
+    """``--calibration FILE`` of this model, or None (CLIError naming the file when it does not belong)."""
+    if not getattr(args, "calibration", None):
+        return None
+    try:
+        return Calibration.load(args.calibration, model)
+    except (ValueError, OSError, TypeError) as e:
+        raise CLIError(f"--calibration: {e}")
 
 
 def _check_context(model, n: int, what: str) -> None:
@@ -339,16 +363,22 @@ def cmd_generate(args) -> int:
         raise CLIError("several prompts are generated batched in one process; under mlx.launch give one --prompt")
     model, tok = _load(args)
     spec = resolve_spec(args.method, args.bits, model_kv_shape(model)[2])
+    cal = _load_calibration(args, model)
+    if cal is not None:
+        try:
+            spec = with_calibration(spec, cal)
+        except ValueError as e:
+            raise CLIError(f"--calibration with --method {spec.name}: {e}")
     all_ids = [_chat_ids(tok, p, raw=args.raw) for p in prompts]
     for ids in all_ids:
         _check_context(model, len(ids) + args.max_tokens, "prompt plus --max-tokens")
     if len(all_ids) > 1:
-        return _generate_batched(args, model, tok, spec, all_ids)
+        return _generate_batched(args, model, tok, spec, all_ids, cal)
     ids = all_ids[0]
     shard(model, group, pipeline=args.pipeline)
     cache = None
     if spec.options is not None:
-        enable(model, spec.options)  # mlx_lm builds our caches itself and attends from their codes
+        enable(model, spec.options, calibration=cal)  # mlx_lm builds our caches itself, attends from their codes
     else:
         cache = spec.make_cache(model)
     try:
@@ -380,7 +410,7 @@ def _read_prompts(path: str) -> List[str]:
     return prompts
 
 
-def _generate_batched(args, model, tok, spec, all_ids) -> int:
+def _generate_batched(args, model, tok, spec, all_ids, cal=None) -> int:
     """Several prompts through mlx_lm's BatchGenerator (continuous batching); each answer printed when done."""
 
 
@@ -388,7 +418,7 @@ def _generate_batched(args, model, tok, spec, all_ids) -> int:
     if not ok:
         raise CLIError(f"--method {spec.name} cannot batch several prompts ({why}); give one --prompt")
     if spec.options is not None:
-        enable(model, spec.options)  # BatchGenerator makes our caches and merges them into batch caches
+        enable(model, spec.options, calibration=cal)  # BatchGenerator makes our caches and merges them into batch caches
     try:
         gen = BatchGenerator(model, max_tokens=args.max_tokens, stop_tokens=[[t] for t in tok.eos_token_ids],
                              prefill_step_size=256)
@@ -419,6 +449,10 @@ def cmd_eval(args) -> int:
         _require_matplotlib()
     model, tok = _load(args)
     specs = _select_specs(model, args.methods)
+    cal = _load_calibration(args, model)
+    if cal is not None:
+        specs = specs + [with_calibration(s, cal, "+cal") for s in specs
+                         if s.options is not None and s.options.kind == "packed"]
     progress = not args.no_progress
     tokens = corpus_tokens(tok, args.corpus)
     out = {"kind": args.eval_kind, "model": args.model, "corpus": args.corpus, "methods": [s.to_dict() for s in specs]}
@@ -475,6 +509,34 @@ def cmd_methods(args) -> int:
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    """Measure the model on calibration text and write the calibration file."""
+    _check_writable(args.out, "--out")
+    if not args.out.endswith(".safetensors"):
+        raise CLIError(f"--out must end in .safetensors, got {args.out!r}")
+    model, tok = _load(args)
+    tokens, description = None, None
+    if args.text_file:
+        try:
+            with open(args.text_file, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise CLIError(f"--text-file {args.text_file!r} cannot be read: {e}")
+        tokens = list(tok.encode(text, add_special_tokens=False))[: args.max_tokens]
+        if len(tokens) < 2:
+            raise CLIError(f"--text-file {args.text_file!r} holds fewer than 2 tokens")
+        description = f"{os.path.basename(args.text_file)} (first {len(tokens)} tokens)"
+    try:
+        cal = calibrate(model, tokens, tokenizer=tok, description=description, progress=not args.no_progress)
+    except ValueError as e:
+        raise CLIError(str(e))
+    cal.save(args.out)
+    print(f"calibration {cal.id}: {cal.text['tokens']} tokens of {cal.text['description']} in "
+          f"{cal.text['seconds']:.1f} s; {os.path.getsize(args.out)} bytes written to {args.out} (per model, not per "
+          f"token); use it with --calibration {args.out}")
+    return 0
+
+
 def cmd_serve(args) -> int:
 
     return serve_main(args)
@@ -494,7 +556,8 @@ def cmd_plan(args) -> int:
 
 # Commands that run models: inside use_packed_attention() (serve installs it in its own serving context).
 ATTENTION_ON_CODES = ("demo", "generate", "eval")
-COMMANDS = {"demo": cmd_demo, "generate": cmd_generate, "eval": cmd_eval, "methods": cmd_methods, "plan": cmd_plan, "serve": cmd_serve}
+COMMANDS = {"demo": cmd_demo, "generate": cmd_generate, "eval": cmd_eval, "methods": cmd_methods, "plan": cmd_plan,
+            "serve": cmd_serve, "calibrate": cmd_calibrate}
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -56,6 +56,7 @@ from mlx_lm.models import base as mlx_base
 from mlx_lm.models import cache as mlx_cache
 
 from veloxquant_mlx.attention import hook
+from veloxquant_mlx.calibration.file import Calibration
 from veloxquant_mlx.codecs import codec_layout
 from veloxquant_mlx.model_shape import head_dim as model_head_dim
 from veloxquant_mlx.options import resolve_options
@@ -349,14 +350,33 @@ class KVCacheBuilder:
     Sliding-window layers get ``codec="affine"`` where a block layout is asked for (a window evicts single tokens).
     """
 
-    def __init__(self, config=None, **options: Any):
+    def __init__(self, config=None, *, calibration=None, **options: Any):
         self.options = resolve_options(config, **options)
+        if calibration is not None and not isinstance(calibration, Calibration):
+            raise TypeError(f"calibration must be a veloxquant_mlx.Calibration (Calibration.load(path)) or None, got "
+                            f"{type(calibration).__name__}")
+        if calibration is not None and self.options.kind != "packed":
+            raise ValueError("calibration applies to kind='packed' caches only")
+        self.calibration = calibration
+        self._checked = None  # weakref to the model the calibration was last checked against
 
     @classmethod
     def for_model(cls, model, config=None, *, max_kv_size: Optional[int] = None, route_attention: bool = True,
-                  **options) -> List[Any]:
+                  calibration=None, **options) -> List[Any]:
         """Fresh caches for ``model`` (a new list of new caches on every call)."""
-        return cls(config, **options).build(model, max_kv_size=max_kv_size, route_attention=route_attention)
+        return cls(config, calibration=calibration, **options).build(model, max_kv_size=max_kv_size,
+                                                                       route_attention=route_attention)
+
+    def _calibrated(self, model, per_layer: List[Any]) -> List[Any]:
+        """Each layer's options with its channel weights from the calibration (checked against ``model`` once)."""
+        cal = self.calibration
+        if cal is None:
+            return per_layer
+        if self._checked is None or self._checked() is not model:
+            cal.check_model(model)
+            self._checked = weakref.ref(model)
+        return [dataclasses.replace(o, calibration_id=cal.id, channel_log2=cal.layer_log2(i))
+                for i, o in enumerate(per_layer)]
 
     def build(self, model, max_kv_size: Optional[int] = None, route_attention: bool = True) -> List[Any]:
         """New caches for ``model``: its own layout, with attention caches replaced by compressed ones.
@@ -371,6 +391,7 @@ class KVCacheBuilder:
         base = _model_layout(model, max_kv_size)
         n_layers, head_dim = len(base), model_head_dim(model)
         per_layer = [self.options.for_layer(i, n_layers, head_dim) for i in range(n_layers)]  # validates first
+        per_layer = self._calibrated(model, per_layer)
         if head_dim is not None:  # a codec that cannot take this head_dim says so now, not at the first update
             for opts in {o.layer_options() for o in per_layer if o.kind == "packed"}:
                 codec_layout(opts.codec).keys.from_options(opts, "keys", head_dim)
@@ -427,7 +448,7 @@ def register_cache_kind(mlx_class: type, convert: Callable, *classes: type) -> N
 
 
 def make_prompt_cache(model, config=None, *, max_kv_size: Optional[int] = None, route_attention: bool = True,
-                      **options) -> List[Any]:
+                      calibration=None, **options) -> List[Any]:
     """One line: compressed caches for ``model`` (see `KVCacheBuilder` for the options) that attend from their
     codes for as long as they live (``route_attention``: `hold_while_alive`).
 
@@ -437,7 +458,7 @@ def make_prompt_cache(model, config=None, *, max_kv_size: Optional[int] = None, 
     meanwhile: `use_packed_attention`, `enable`, or other live caches built with routing).
     """
     return KVCacheBuilder.for_model(model, config, max_kv_size=max_kv_size, route_attention=route_attention,
-                                    **options)
+                                    calibration=calibration, **options)
 
 
 # -- enable / disable ---------------------------------------------------------------------------------------------
@@ -448,15 +469,16 @@ _enabled: Dict[int, Dict[str, Any]] = {}  # id(model) -> {"model": weakref, "pre
 _mlx_lm_names = contextlib.ExitStack()
 
 
-def enable(model, config=None, **options):
+def enable(model, config=None, *, calibration=None, **options):
     """Make every cache mlx_lm builds for ``model`` a compressed one, attended from its codes; returns ``model``.
 
     ``config`` / ``options``: as `make_prompt_cache` (a preset name, a `CacheOptions`, a `KVCacheConfig`, or
-    keyword options); none given: `veloxquant_mlx.options.DEFAULT`.
+    keyword options); none given: `veloxquant_mlx.options.DEFAULT`. ``calibration``: a `Calibration` of this
+    model (`veloxquant_mlx.calibrate`, `Calibration.load`): its channel weights in every layer's cache.
     """
     if not hasattr(model, "layers"):
         raise TypeError(f"model must be an mlx_lm model with .layers, got {type(model).__name__}")
-    builder = KVCacheBuilder(config, **options)
+    builder = KVCacheBuilder(config, calibration=calibration, **options)
     builder.build(model)  # refuse bad options now, not at the first generate
 
     def make_cache():

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
+from veloxquant_mlx.calibration.weights import MAX_LOG2
 from veloxquant_mlx.codecs import codec_layout
 from veloxquant_mlx.config import KVCacheConfig
 from veloxquant_mlx.rotation import ROTATION_KINDS as ROTATIONS
@@ -65,6 +66,10 @@ class CacheOptions:
     group_size: affine group size (affine codecs; for affine_block also the key block in tokens).
     seed, rotation ("haar" / "hadamard"), jl_dim (QJL sketch length, turboquant_prod only).
     head_dim: checked against the model's when set (the builder fills it in).
+    calibration_id / channel_log2: one layer's static channel weights from a `veloxquant_mlx.Calibration` (the
+        builder fills them in from ``calibration=``): ``channel_log2`` = (keys, values), each ``heads`` tuples of
+        ``head_dim`` ints in [-3, 3]; keys and values are stored times ``2**channel_log2`` (exact in floating point),
+        queries divided by the key weights and outputs by the value weights (`veloxquant_mlx.calibration.weights`).
     """
 
     kind: str = "packed"
@@ -86,6 +91,9 @@ class CacheOptions:
     n_outlier_channels: int = 0
     outlier_bits: int = 8
     head_dim: Optional[int] = None
+    calibration_id: Optional[str] = None
+    channel_log2: Optional[Tuple[Tuple[Tuple[int, ...], ...], Tuple[Tuple[int, ...], ...]]] = \
+        dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
         set_ = lambda name, v: object.__setattr__(self, name, v)  # noqa: E731 - frozen: normalize in place
@@ -104,10 +112,39 @@ class CacheOptions:
             set_(name, check_bool(name, getattr(self, name)))
         check_choice("rotation", self.rotation, ROTATIONS)
         self._check_codec_options(layout)
+        self._check_channel_weights()
         if self.kind == "rvq" and (self.v_bits is not None or self.sink or self.recent or self.codec != "lloyd_max"
                                    or self.group_size is not None):
             raise ValueError("kind='rvq' keeps values in float16 and has its own RVQ key codec: v_bits, sink, recent, "
                              "codec and group_size do not apply")
+
+    def _check_channel_weights(self) -> None:
+        """``calibration_id`` (a str) and ``channel_log2`` (nested tuples, normalised from lists) come together."""
+        if (self.calibration_id is None) != (self.channel_log2 is None):
+            raise ValueError("calibration_id and channel_log2 come together (the builder sets both from "
+                             "calibration=...): set both or neither")
+        if self.channel_log2 is None:
+            return
+        if not isinstance(self.calibration_id, str) or not self.calibration_id:
+            raise TypeError(f"calibration_id must be a non-empty str, got {self.calibration_id!r}")
+        if self.kind != "packed":
+            raise ValueError("channel weights (calibration=...) apply to kind='packed' only")
+        w = self.channel_log2
+        try:
+            norm = tuple(tuple(tuple(int(e) for e in head) for head in side) for side in w)
+            ok = (len(norm) == 2 and all(norm[i] for i in (0, 1)) and len(norm[0]) == len(norm[1])
+                  and len({len(h) for side in norm for h in side}) == 1
+                  and all(isinstance(e, int) and not isinstance(e, bool) and abs(e) <= MAX_LOG2
+                          for side in w for head in side for e in head))
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(f"channel_log2 must be (keys, values): each a tuple of heads, each a tuple of head_dim "
+                             f"ints in [-{MAX_LOG2}, {MAX_LOG2}], as veloxquant_mlx.Calibration makes them")
+        d = len(norm[0][0])
+        if self.head_dim is not None and d != self.head_dim:
+            raise ValueError(f"channel_log2 holds {d} channels per head, but head_dim={self.head_dim}")
+        object.__setattr__(self, "channel_log2", norm)
 
     def _check_codec_options(self, layout) -> None:
         classes = (layout.keys, layout.values)

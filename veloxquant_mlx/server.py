@@ -31,7 +31,8 @@ from mlx_lm.server import (APIHandler, ModelProvider, ResponseGenerator, convert
 
 from .distributed import rank_summary, shard
 from .eval.memory import measure_footprint
-from .eval.specs import method_names, resolve_spec
+from .calibration.file import Calibration
+from .eval.specs import method_names, resolve_spec, with_calibration
 from .integration import use_packed_attention
 from .models import ModelPackageMissing, load_model, max_context
 from .options import DEFAULT_NAME
@@ -88,6 +89,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         f"every request (default {DEFAULT_METHOD}, the default of `enable(model)` too; see "
                         f"`veloxquant methods`): {', '.join(names)}")
     parser.add_argument("--bits", type=_bounded(float, 1, 16), default=None, help="bits, with a family --method")
+    parser.add_argument("--calibration", metavar="FILE", help="a calibration of this model (`veloxquant "
+                        "calibrate`): the caches use its channel weights")
     parser.add_argument("--no-batching", action="store_true", help="answer requests one after another")
     parser.add_argument("--pipeline", action="store_true", help="under mlx.launch: split the layers over the ranks "
                         "(default: tensor parallel, heads split)")
@@ -435,8 +438,11 @@ def start_server(args: argparse.Namespace, *, model=None, tokenizer=None, port: 
         model, tokenizer = load_model(args.model)
     group = mx.distributed.init()  # one rank unless launched with mlx.launch
     shard(model, group, pipeline=args.pipeline)
+    # (bytes per token do not depend on channel weights: measured on random tokens with the uncalibrated caches)
+    fp = measure_footprint(model, spec.make_cache)
+    if getattr(args, "calibration", None):
+        spec = with_calibration(spec, Calibration.load(args.calibration, model))  # ValueError names the file
     make_cache = spec.make_cache
-    fp = measure_footprint(model, make_cache)
     if group.size() > 1:
         logger.info(rank_summary(model, make_cache, group))
     batching = (False, "--no-batching") if args.no_batching else probe_batching(model, make_cache)

@@ -18,7 +18,8 @@ arrays; mlx_lm >= 0.32 calls ``from_state(state)`` only) and `from_state` refuse
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, List, Optional
+from functools import lru_cache
+from typing import Any, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
@@ -61,6 +62,17 @@ def _check_window(options, max_size, keep) -> tuple:
         raise ValueError(f"sink must be <= keep ({keep}) in a rotating cache (sink tokens are never evicted), got "
                          f"{options.sink}")
     return max_size, keep
+
+
+@lru_cache(maxsize=512)
+def _weight_arrays(channel_log2) -> Optional[Tuple[mx.array, mx.array]]:
+    """``options.channel_log2`` as ``(key weights, value weights)`` float32 arrays (shared by every cache of a
+    layer), or None."""
+    if channel_log2 is None:
+        return None
+    out = tuple(mx.power(2.0, mx.array(side, dtype=mx.float32)) for side in channel_log2)
+    mx.eval(out)
+    return out
 
 
 def _decode(parts, dtype):
@@ -112,6 +124,40 @@ class _PackedFace(PipelineDependency, _BaseCache):
         new.__dict__.update(self.__dict__)
         new.rows = self.rows.copy()
         return new
+
+    # -- static channel weights (calibration): stored = x * w; queries / w_k; outputs / w_v ------------------------
+    @property
+    def channel_weights(self) -> Optional[Tuple[mx.array, mx.array]]:
+        """``(key weights, value weights)``, each ``(heads, d)`` float32 powers of two (``options.channel_log2``),
+        or None. Everything stored (codes and exact tokens, `attention_parts`) is in the weighted domain."""
+        return _weight_arrays(self.options.channel_log2)
+
+    def _weigh(self, keys: mx.array, values: mx.array):
+        """``keys`` / ``values`` ``(B, H, T, d)`` times their channel weights (exact: powers of two)."""
+        cw = self.channel_weights
+        if cw is None:
+            return keys, values
+        wk, wv = cw
+        if keys.shape[1] != wk.shape[0] or keys.shape[-1] != wk.shape[1] or values.shape[-1] != wv.shape[1]:
+            raise ValueError(f"this cache's channel weights (calibration {self.options.calibration_id}) are for "
+                             f"{wk.shape[0]} KV heads of dims {wk.shape[1]}/{wv.shape[1]}, but keys/values have "
+                             f"shapes {tuple(keys.shape)} / {tuple(values.shape)} (a sharded model needs a "
+                             "calibration of its own shard)")
+        return keys * wk[:, None, :].astype(keys.dtype), values * wv[:, None, :].astype(values.dtype)
+
+    def attend_packed(self, queries: mx.array, scale: float, mask, sinks: Optional[mx.array] = None) -> mx.array:
+        """SDPA of ``queries`` ``(B, Hq, L, d)`` over everything stored, from the codes -> ``(B, Hq, L, dv)``.
+
+        The packed-attention protocol (see :mod:`veloxquant_mlx.attention`); mask as mlx_lm passes it. With channel
+        weights: ``(q / w_k) . (w_k k) = q . k``, and the output ``sum p (w_v v)`` divided by ``w_v``.
+        """
+        cw = self.channel_weights
+        if cw is None or not isinstance(queries, mx.array) or queries.ndim != 4 or queries.shape[1] % cw[0].shape[0]:
+            return self._attend(queries, scale, mask, sinks)  # (bad queries: the attention names them)
+        g = queries.shape[1] // cw[0].shape[0]
+        wk, wv = (mx.repeat(w, g, axis=0)[:, None, :] if g > 1 else w[:, None, :] for w in cw)
+        out = self._attend(queries / wk.astype(queries.dtype), scale, mask, sinks)
+        return out / wv.astype(out.dtype)
 
 
 class TurboQuantPackedCache(_PackedFace):
@@ -172,7 +218,7 @@ class TurboQuantPackedCache(_PackedFace):
                 "model's attention bypasses mlx_lm's scaled_dot_product_attention, so its output is wrong. Build "
                 "the caches with veloxquant_mlx.make_prompt_cache(model, ...) (it detects such models) or pass "
                 "fetch_placeholders=False.")
-        keys, values = self._after_dependency(keys, values)
+        keys, values = self._weigh(*self._after_dependency(keys, values))
         rows.append(keys, values)
         if self.fetch_placeholders and _hook.is_active():
             n = self._stored()
@@ -213,11 +259,8 @@ class TurboQuantPackedCache(_PackedFace):
         folded ``(1, B*H, ...)``). Tail tokens older than the exact window read as they will once coded."""
         return self.rows.row_parts(0) if self.rows.B == 1 else self.rows.attention_parts(lockstep=True)
 
-    def attend_packed(self, queries: mx.array, scale: float, mask, sinks: Optional[mx.array] = None) -> mx.array:
-        """SDPA of ``queries`` ``(B, Hq, L, d)`` over everything stored, from the codes -> ``(B, Hq, L, dv)``.
-
-        The packed-attention protocol (see :mod:`veloxquant_mlx.attention`); mask as mlx_lm passes it.
-        """
+    def _attend(self, queries: mx.array, scale: float, mask, sinks: Optional[mx.array] = None) -> mx.array:
+        """`attend_packed` in the stored (weighted) domain."""
         if self.empty():
             raise ValueError("attend_packed needs a cache holding tokens (call update_and_fetch first)")
         self._awaiting_attention = False
@@ -234,6 +277,9 @@ class TurboQuantPackedCache(_PackedFace):
     def _fetch(self, dtype):
         """The whole history decoded, ``(B, H, n, d)`` in ``dtype`` (the path outside attention on codes)."""
         k, v = _decode(self.attention_parts(), dtype)
+        cw = self.channel_weights
+        if cw is not None:  # back from the weighted domain (exact: powers of two)
+            k, v = k / cw[0][:, None, :].astype(dtype), v / cw[1][:, None, :].astype(dtype)
         B, H = self.rows.B, self.rows.heads
         return (k, v) if B == 1 else (k.reshape(B, H, *k.shape[2:]), v.reshape(B, H, *v.shape[2:]))
 
@@ -455,6 +501,8 @@ class TurboQuantBatchPackedCache(_PackedFace):
                 and keys.dtype in FLOAT_DTYPES and values.dtype in FLOAT_DTYPES
                 and self._dependency is None and self._pending is None and self._lead is None and _hook.is_active()):
             # A decode step (~30 per token): the checks below in one comparison of shapes.
+            if self.options.channel_log2 is not None:
+                keys, values = self._weigh(keys, values)
             r.append(keys, values, None, None if self.window is None else [1] * B)
             self._set_offset()
             self._chunk = _ONE_TOKEN
@@ -468,7 +516,7 @@ class TurboQuantBatchPackedCache(_PackedFace):
             raise ValueError(f"keys have batch size {keys.shape[0]}, but this cache holds {B} sequences")
         if dims is not None and keys.shape[1] != H:
             raise ValueError(f"keys have {keys.shape[1]} KV heads, but this cache holds {H}")
-        keys, values = self._after_dependency(keys, values)
+        keys, values = self._weigh(*self._after_dependency(keys, values))
         T = keys.shape[2]
         lead = self._lead or [0] * B
         real = [max(min(T - a, T if self._pending is None else self._pending[i]), 0) for i, a in enumerate(lead)]
@@ -490,7 +538,7 @@ class TurboQuantBatchPackedCache(_PackedFace):
     def attention_parts(self) -> List[Any]:
         return self.rows.attention_parts()
 
-    def attend_packed(self, queries: mx.array, scale: float, mask, sinks: Optional[mx.array] = None) -> mx.array:
+    def _attend(self, queries: mx.array, scale: float, mask, sinks: Optional[mx.array] = None) -> mx.array:
         """SDPA of ``queries`` ``(B, Hq, L, d)`` over every row's stored tokens, from the codes ->
         ``(B, Hq, L, dv)``: the last update's L tokens (causal) or one query that sees everything. ``mask``
         (mlx_lm's, from `make_mask`) is replaced by each row's own: pad slots and pad queries are never attended."""

@@ -130,12 +130,15 @@ def _missing_entries(state, prefix: str) -> list:
     return out
 
 
-def load_prompt_cache(file_name: str, return_metadata: bool = False):
+def load_prompt_cache(file_name: str, return_metadata: bool = False, *, calibration=None):
     """Load a prompt-cache file written by `save_prompt_cache` (or by mlx_lm itself).
 
     Returns the list of caches, and with ``return_metadata=True`` also the metadata exactly as the user
     saved it. Errors: FileNotFoundError / IsADirectoryError for a path that is not a file, ValueError
     naming the file (and the layer, class or array) for anything inside it that does not add up.
+    ``calibration``: a `veloxquant_mlx.Calibration` the file's compressed caches must have been built with
+    (ValueError naming the file, the layer and both calibrations otherwise). Without it the caches continue
+    with the channel weights they were saved with, whatever the model is enabled with.
     """
     path = _check_path(file_name, "load_prompt_cache")
     if not isinstance(return_metadata, bool):
@@ -192,5 +195,23 @@ def load_prompt_cache(file_name: str, return_metadata: bool = False):
                 cache.append(cls.from_state(state) if meta_state is None else cls.from_state(state, meta_state))
         except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
             raise ValueError(f"load_prompt_cache: {path!r}: layer {i} ({name}) refused its state: {e}") from e
+    if calibration is not None:
+        _check_calibration(path, cache, calibration)
     metadata = {k: v for k, v in metadata.items() if k not in (VERSION_KEY, META_STATE_KEY)}
     return (cache, metadata) if return_metadata else cache
+
+
+def _check_calibration(path: str, caches: List[Any], calibration) -> None:
+    """Every compressed cache of the file was built with ``calibration`` (ValueError naming file and layer)."""
+    want = getattr(calibration, "id", None)
+    if not isinstance(want, str):
+        raise TypeError(f"load_prompt_cache: calibration must be a veloxquant_mlx.Calibration, got "
+                        f"{type(calibration).__name__}")
+    for i, c in enumerate(caches):
+        options = getattr(c, "options", None)
+        if options is None or not hasattr(options, "calibration_id"):
+            continue  # mlx_lm's own caches and the seed's RVQ cache carry no channel weights
+        if options.calibration_id != want:
+            raise ValueError(f"load_prompt_cache: {path!r}: layer {i} was saved with "
+                             f"{'calibration ' + options.calibration_id if options.calibration_id else 'no calibration'}"
+                             f", not calibration {want}: refusing to mix them")

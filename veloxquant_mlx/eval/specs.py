@@ -5,6 +5,7 @@ so any cache (mlx_lm's, ours, a user's) plugs into every evaluation function.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
@@ -111,6 +112,21 @@ def compressed_spec(name: str, options: CacheOptions) -> CacheSpec:
     shown = ", ".join(f"{k}={v}" for k, v in options_extra(options).items())
     return CacheSpec(name, _compressed_factory(options), family=family, bits=nominal, description=f"{what}; {shown}",
                      extra=options_extra(options), options=options)
+
+
+def with_calibration(spec: CacheSpec, calibration, suffix: str = "") -> CacheSpec:
+    """``spec`` with its caches built with ``calibration``'s channel weights (name + ``suffix``); ValueError for
+    mlx_lm's own caches, which have none."""
+    if spec.options is None or spec.options.kind != "packed":
+        raise ValueError(f"a calibration applies to the compressed (kind='packed') caches, not {spec.name!r}")
+    options = spec.options
+
+    def make(model) -> list:
+        return make_prompt_cache(model, options, calibration=calibration)
+
+    return dataclasses.replace(spec, name=spec.name + suffix, make_cache=make,
+                               description=f"{spec.description}; calibration {calibration.id}",
+                               extra={**spec.extra, "calibration": calibration.id})
 
 
 def compressed_specs(head_dim: Optional[int] = None) -> List[CacheSpec]:
