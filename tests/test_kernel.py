@@ -34,7 +34,7 @@ def test_the_kernel_is_built_and_used_here():
 
 def test_kernel_layouts_are_the_affine_ones():
     assert set(KERNEL_LAYOUTS) == {"affine", "affine_block", "affine_block_kv", "affine_block_kv_mse", "kblock_vsym",
-                                   "lloyd_max", "kblock_vlloyd"}
+                                   "kblock_vsym8", "lloyd_max", "kblock_vlloyd"}
 
 
 def _parts(codec: str, bits: int, n: int, *, B=1, H=2, R=3, d=64, exact=True, seed=0, group_size=None,
@@ -76,8 +76,8 @@ CASES = [(c, b) for c in KERNEL_LAYOUTS for b in (2, 3, 4, 8) if b in CODECS[c].
 @pytest.mark.parametrize("codec,bits", CASES)
 @pytest.mark.parametrize("n_blocks", [1, 9])
 def test_parity_per_layout_and_bits(codec, bits, n_blocks):
-    block = 128 if codec in ("kblock_vsym", "kblock_vlloyd") else 64
-    gs = 128 if codec in ("kblock_vsym", "kblock_vlloyd") else None
+    block = 128 if codec in ("kblock_vsym", "kblock_vsym8", "kblock_vlloyd") else 64
+    gs = 128 if codec in ("kblock_vsym", "kblock_vsym8", "kblock_vlloyd") else None
     q, parts = _parts(codec, bits, n_blocks * block, group_size=gs, seed=bits)
     _close(_kernel(q, parts), reference_one_query(q, parts, 0.125))
 
@@ -89,13 +89,13 @@ def test_parity_head_dims_and_gqa_groups(d, R, codec):
     _close(_kernel(q, parts, d ** -0.5), reference_one_query(q, parts, d ** -0.5))
 
 
-@pytest.mark.parametrize("codec", ["affine_block", "kblock_vsym", "affine", "lloyd_max"])
+@pytest.mark.parametrize("codec", ["affine_block", "kblock_vsym", "kblock_vsym8", "affine", "lloyd_max"])
 def test_parity_batch_pad_slots_sinks_and_no_exact_tokens(codec):
     """A batch's per-row valid slots (masks per part, as the batch cache passes them), attention-sink logits
     (per query head, and tiled per row as a folded batch passes them), and a history of codes only."""
-    gs = 128 if codec == "kblock_vsym" else None
+    gs = 128 if codec.startswith("kblock_vsym") else None
     B, H, R = 3, 2, 2
-    q, parts = _parts(codec, 4, 640 if codec != "kblock_vsym" else 768, B=B, H=H, R=R, group_size=gs, seed=5)
+    q, parts = _parts(codec, 4, 768 if codec.startswith("kblock_vsym") else 640, B=B, H=H, R=R, group_size=gs, seed=5)
     rng = np.random.default_rng(3)
     masks = []
     for p in parts:

@@ -39,29 +39,31 @@ def test_budget_names_are_registered_and_usable_as_methods():
 
 def test_one_bits_measurement_for_the_evaluation_and_methods(tiny_model, random_tokens):
     """`perplexity_eval`'s bits (the caches after the window) equal `measure_bytes_per_token`'s (random data,
-    what `veloxquant methods` and the server print) at the same context, for a blocked and a per-token layout."""
+    what `veloxquant methods` and the server print) at the same context after the sink, for a blocked and a
+    per-token layout, with and without exact sink tokens."""
     _, kv_heads, head_dim = model_kv_shape(tiny_model)
-    specs = [resolve_spec(n) for n in ("kv", "mlx-q4", "tq-affine-k4v4", "tq-mse-k3v3")]
-    r = perplexity_eval(tiny_model, random_tokens, specs, context=512, chunk=256, progress=False)
-    for s in specs:
+    for name in ("kv", "mlx-q4", "tq-affine-k4v4", "tq-mse-k3v3", "tq-4b"):
+        s = resolve_spec(name)
         m = measure_bytes_per_token(s.make_cache, kv_heads, head_dim, model=tiny_model, context=512)
-        assert r[s.name]["memory"]["bits_per_coordinate"] == pytest.approx(m["bits_per_coordinate"], rel=1e-12), s.name
+        assert m["sink"] == (s.options.sink if s.options is not None else 0)
+        r = perplexity_eval(tiny_model, random_tokens, [s], context=512 + m["sink"], chunk=256, progress=False)
+        assert r[s.name]["memory"]["bits_per_coordinate"] == pytest.approx(m["bits_per_coordinate"], rel=1e-12), name
 
 
 def test_bits_count_the_exact_tokens_a_blocked_cache_holds():
-    """A sink of 4 tokens shifts a 64-token block cache off its blocks: the exact tokens it holds at 2048 (float32
-    here) are counted, with the codes' scales and the fitted means."""
+    """A sink of 4 tokens and 8 tokens of trim headroom keep a 64-token block cache off its blocks: the exact tokens
+    it holds at 2048 after its sink (float32 here) are counted, with the codes' scales and the fitted means."""
     import mlx.core as mx
 
     spec = resolve_spec("tq-affine-k4v4")
     m = measure_bytes_per_token(spec.make_cache, 3, 64, context=2048)
     cache = spec.make_cache(_Stub(3))[0]
-    x = mx.random.normal((1, 3, 2048, 64))
+    x = mx.random.normal((1, 3, 2052, 64))
     cache.update_and_fetch(x, x)
     n_exact = cache.rows.sink_n[0] + cache.rows.tail_n[0]
-    assert n_exact > 8 and cache.n_coded + n_exact == 2048
+    assert m["sink"] == 4 and n_exact > 8 and cache.n_coded + n_exact == 2052
     fitted = 2 * 3 * 64 * 4 * 8  # per-head float32 means of keys and values, in bits
-    expected = (cache.n_coded * (4 + 0.5) + n_exact * 32 + fitted / (3 * 2 * 64)) / 2048
+    expected = (cache.n_coded * (4 + 0.5) + n_exact * 32 + fitted / (3 * 2 * 64)) / 2052
     assert m["bits_per_coordinate"] == pytest.approx(expected, rel=1e-9)
 
 

@@ -126,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     model_opt(d)
     methods_opt(d)
     d.add_argument("--prompt", default=DEMO_PROMPT)
-    d.add_argument("--context", type=_positive_int, default=512, help="perplexity slice length (tokens)")
+    d.add_argument("--context", type=_positive_int, default=513,
+                   help="perplexity slice length (tokens; 513: the budget presets' exact first token and 4 whole blocks)")
     d.add_argument("--max-tokens", type=_positive_int, default=24)
     d.add_argument("--out", help="also write the results as JSON")
 

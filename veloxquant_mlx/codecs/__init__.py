@@ -18,6 +18,7 @@ import numpy as np
 from veloxquant_mlx.codecs.affine import AffineRotatedCodec
 from veloxquant_mlx.codecs.affine_block import AffineBlockKeyCodec
 from veloxquant_mlx.codecs.affine_sym import AffineSymValueCodec
+from veloxquant_mlx.codecs.affine_sym_log import AffineSymLogScaleValueCodec
 from veloxquant_mlx.codecs.affine_block_kv import AffineBlockKVCodec, AffineBlockKVMSECodec, LloydMaxValueCodec
 from veloxquant_mlx.codecs.contract import Codec, CodeField, check_codec
 from veloxquant_mlx.codecs.float16 import Float16Codec
@@ -48,6 +49,7 @@ CODECS: Dict[str, CodecLayout] = {
     "affine_block_kv_mse": CodecLayout(AffineBlockKVMSECodec, AffineBlockKVMSECodec),
     "kblock_vlloyd": CodecLayout(AffineBlockKVMSECodec, LloydMaxValueCodec),
     "kblock_vsym": CodecLayout(AffineBlockKVMSECodec, AffineSymValueCodec),
+    "kblock_vsym8": CodecLayout(AffineBlockKVMSECodec, AffineSymLogScaleValueCodec),
 }
 
 
@@ -81,5 +83,5 @@ def codec_layout(name: str) -> CodecLayout:
 
 
 __all__ = ["AffineBlockKVCodec", "AffineBlockKVMSECodec", "AffineBlockKeyCodec", "AffineRotatedCodec",
-           "AffineSymValueCodec", "CODECS", "Codec", "CodeField", "CodecLayout", "Float16Codec",
+           "AffineSymValueCodec", "AffineSymLogScaleValueCodec", "CODECS", "Codec", "CodeField", "CodecLayout", "Float16Codec",
            "LloydMaxCodec", "LloydMaxValueCodec", "check_codable", "check_codec", "codec_layout"]

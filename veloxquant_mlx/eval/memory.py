@@ -4,8 +4,9 @@ One measurement of bits per coordinate everywhere: :func:`cache_memory` of the c
 (every stored byte: codes, scales, norms, exact sink/tail tokens, fitted means; no spare growth capacity),
 over the ``n * 2 * kv_heads * head_dim`` cached coordinates of each layer. The evaluation reads it from the
 caches after each window; `measure_bytes_per_token` (``veloxquant methods``, the server's start-up log, the
-bit-budget tests) fills a fresh cache with random keys/values to ``context`` tokens and reads the same
-function, so every tool reports the same figure for the same configuration and context.
+bit-budget tests) fills a fresh cache with random keys/values to ``context`` tokens after its exact sink tokens
+(whole blocks) and reads the same function, so every tool reports the same figure for the same configuration and
+context.
 """
 from __future__ import annotations
 
@@ -98,15 +99,19 @@ def measure_bytes_per_token(
     seed: int = 0,
     n_layers: int = 1,
 ) -> dict:
-    """Stored bytes per layer of caches holding ``context`` random tokens, measured, not computed by formula.
+    """Stored bytes per layer of caches holding ``context`` random tokens after their exact sink, measured, not
+    computed by formula.
 
     Fills fresh caches (``make_cache(model)``: every layer of ``model``, or of a stub with ``n_layers`` layers, for
-    configurations with bits per layer) with the same random keys/values ``(1, kv_heads, n, head_dim)`` in chunks
-    of 256 tokens and reads
-    :func:`cache_memory` at ``context - 256`` and at ``context`` tokens: ``bits_per_coordinate`` and
-    ``bytes_per_token_per_layer`` are every stored byte at ``context`` tokens (fixed state such as fitted means
-    and exact sink tokens included, as the evaluation counts them); ``marginal_bytes_per_token_per_layer`` is
-    the growth over the last 256 tokens (what a longer context adds per token) and ``fixed_bytes`` the rest.
+    configurations with bits per layer) with the same random keys/values ``(1, kv_heads, n, head_dim)``: first the
+    caches' exact sink tokens (``options.sink``, 0 for mlx_lm's caches), then ``context`` tokens in chunks of 256,
+    and reads :func:`cache_memory` at ``sink + context - 256`` and at ``sink + context`` tokens. Blocks start after
+    the sink, so at ``sink + context`` a block layout without exact windows (``recent=0, trim_headroom=0``: the
+    budget presets) holds whole blocks (between two blocks its newest tokens wait exact: the ripple BENCHMARKS.md
+    reports beside this figure). ``bits_per_coordinate`` and
+    ``bytes_per_token_per_layer`` are every stored byte at ``sink + context`` tokens (fixed state such as fitted
+    means and the exact sink tokens included, as the evaluation counts them); ``marginal_bytes_per_token_per_layer``
+    is the growth over the last 256 tokens (what a longer context adds per token) and ``fixed_bytes`` the rest.
     """
     context = check_int("context", context, 2 * FILL_CHUNK)
     if context % FILL_CHUNK:
@@ -117,26 +122,34 @@ def measure_bytes_per_token(
     for c in caches:
         if hasattr(c, "fetch_placeholders"):  # no attention runs here: let it decode even while routing is on
             c.fetch_placeholders = False
+    sink = max((_sink_tokens(c) for c in caches), default=0)
+    total = sink + context
     k1, k2 = mx.random.split(mx.random.key(seed))
-    keys = mx.random.normal((1, kv_heads, context, head_dim), key=k1)
-    values = mx.random.normal((1, kv_heads, context, head_dim), key=k2)
+    keys = mx.random.normal((1, kv_heads, total, head_dim), key=k1)
+    values = mx.random.normal((1, kv_heads, total, head_dim), key=k2)
     before = None
-    for s0 in range(0, context, FILL_CHUNK):
-        k, v = keys[..., s0:s0 + FILL_CHUNK, :], values[..., s0:s0 + FILL_CHUNK, :]
-        mx.eval([c.update_and_fetch(k, v) for c in caches])
-        if s0 + FILL_CHUNK == context - FILL_CHUNK:
-            before = cache_memory(caches, context - FILL_CHUNK, kv_heads, head_dim)["bytes_total"] / len(caches)
-    mem = cache_memory(caches, context, kv_heads, head_dim)
+    for s0, s1 in [(0, sink)] * bool(sink) + [(s, s + FILL_CHUNK) for s in range(sink, total, FILL_CHUNK)]:
+        mx.eval([c.update_and_fetch(keys[..., s0:s1, :], values[..., s0:s1, :]) for c in caches])
+        if s1 == total - FILL_CHUNK:
+            before = cache_memory(caches, s1, kv_heads, head_dim)["bytes_total"] / len(caches)
+    mem = cache_memory(caches, total, kv_heads, head_dim)
     marginal = (mem["bytes_total"] / len(caches) - before) / FILL_CHUNK
     return {
         "kv_heads": kv_heads,
         "head_dim": head_dim,
         "context": context,
+        "sink": sink,
         "bytes_per_token_per_layer": mem["bytes_per_token_per_layer"],
         "marginal_bytes_per_token_per_layer": marginal,
-        "fixed_bytes": mem["bytes_total"] / len(caches) - marginal * context,
+        "fixed_bytes": mem["bytes_total"] / len(caches) - marginal * total,
         "bits_per_coordinate": mem["bits_per_coordinate"],
     }
+
+
+def _sink_tokens(cache) -> int:
+    """The exact sink tokens a cache keeps before its codes (our caches' ``options.sink``; 0 for others)."""
+    sink = getattr(getattr(cache, "options", None), "sink", 0)
+    return sink if isinstance(sink, int) and not isinstance(sink, bool) else 0
 
 
 def plan_context(bytes_per_token_per_layer: float, n_layers: int, ram_bytes: float) -> int:
