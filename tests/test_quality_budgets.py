@@ -175,3 +175,29 @@ def test_clipped_codes_lose_less_than_min_max(bits):
     # symmetric scale-only values (one float16 per 64 coordinates, 0.25 bit less) against MLX's affine (scale and
     # bias): within 10 % of its error at 4 bits, below it at 2 and 3
     assert err("kblock_vsym", "values") < (1.1 if bits == 4 else 0.95) * err("affine", "values", group_size=None)
+    # one-byte log-grid scales (0.125 bit less again): within 3 % of float16 scales' error
+    assert err("kblock_vsym8", "values") < 1.03 * err("kblock_vsym", "values")
+
+
+def test_log_grid_scales_are_one_byte_and_cover_their_range():
+    """kblock_vsym8's value scales: uint8 codes, 8 grid points per octave; zeros stay zeros; the range ends clamp
+    (tiny groups take the smallest scale, huge ones the largest) instead of overflowing."""
+    import mlx.core as mx
+
+    from veloxquant_mlx.codecs.affine_sym_log import (LOG_OFFSET, LOG_STEPS, AffineSymLogScaleValueCodec,
+                                                      decode_log_scales, log_scale_codes)
+
+    c = AffineSymLogScaleValueCodec(64, 4)
+    assert c.token_fields()["scales"][1] == mx.uint8 and c.bytes_per_token_head() == 64 * 4 / 8 + 1
+    s = decode_log_scales(mx.array([0, 1, LOG_OFFSET, LOG_OFFSET + LOG_STEPS, 255], dtype=mx.uint8)).tolist()
+    assert s[0] == 0 and s[2] == 1.0 and s[3] == 2.0 and s[1] == pytest.approx(2 ** (-141 / 8))
+    assert s[4] == pytest.approx(2 ** (113 / 8))
+    y = mx.concatenate([mx.zeros((1, 64)), mx.full((1, 64), 1e-9), mx.full((1, 64), 1e6),
+                        mx.random.normal((1, 64), key=mx.random.key(0))])
+    q, code = log_scale_codes(y, 4, 64)
+    codes = code[:, 0].tolist()
+    assert codes[0] == 0 and codes[1] == 1 and codes[2] == 255 and 1 < codes[3] < 255
+    back = decode_log_scales(code) * (q - 7.5)  # (4, 1) scales of one 64-group per row
+    assert bool(mx.all(back[0] == 0)) and bool(mx.all(mx.isfinite(back)))
+    rel = float(mx.linalg.norm(back[3] - y[3]) / mx.linalg.norm(y[3]))
+    assert rel < 0.12, rel
