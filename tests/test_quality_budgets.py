@@ -181,8 +181,10 @@ def test_clipped_codes_lose_less_than_min_max(bits):
 
 def test_log_grid_scales_are_one_byte_and_cover_their_range():
     """kblock_vsym8's value scales: uint8 codes, 8 grid points per octave; zeros stay zeros; the range ends clamp
-    (tiny groups take the smallest scale, huge ones the largest) instead of overflowing."""
+    (tiny groups take the smallest scale, huge ones the largest) instead of overflowing; inf or NaN stays
+    non-finite."""
     import mlx.core as mx
+    import numpy as np
 
     from veloxquant_mlx.codecs.affine_sym_log import (LOG_OFFSET, LOG_STEPS, AffineSymLogScaleValueCodec,
                                                       decode_log_scales, log_scale_codes)
@@ -191,12 +193,16 @@ def test_log_grid_scales_are_one_byte_and_cover_their_range():
     assert c.token_fields()["scales"][1] == mx.uint8 and c.bytes_per_token_head() == 64 * 4 / 8 + 1
     s = decode_log_scales(mx.array([0, 1, LOG_OFFSET, LOG_OFFSET + LOG_STEPS, 255], dtype=mx.uint8)).tolist()
     assert s[0] == 0 and s[2] == 1.0 and s[3] == 2.0 and s[1] == pytest.approx(2 ** (-141 / 8))
-    assert s[4] == pytest.approx(2 ** (113 / 8))
+    assert s[1] < s[2] and np.isnan(s[4])
+    inf_row = mx.concatenate([mx.full((1, 1), float("inf")), mx.ones((1, 63))], axis=1)
     y = mx.concatenate([mx.zeros((1, 64)), mx.full((1, 64), 1e-9), mx.full((1, 64), 1e6),
-                        mx.random.normal((1, 64), key=mx.random.key(0))])
+                        mx.random.normal((1, 64), key=mx.random.key(0)), inf_row])
     q, code = log_scale_codes(y, 4, 64)
     codes = code[:, 0].tolist()
-    assert codes[0] == 0 and codes[1] == 1 and codes[2] == 255 and 1 < codes[3] < 255
+    assert codes[:3] == [0, 1, 254] and 1 < codes[3] < 254 and codes[4] == 255
+    assert decode_log_scales(code[2]).item() == 2.0 ** 14
+    y = y[:4]
+    q, code = q[:4], code[:4]
     back = decode_log_scales(code) * (q - 7.5)  # (4, 1) scales of one 64-group per row
     assert bool(mx.all(back[0] == 0)) and bool(mx.all(mx.isfinite(back)))
     rel = float(mx.linalg.norm(back[3] - y[3]) / mx.linalg.norm(y[3]))

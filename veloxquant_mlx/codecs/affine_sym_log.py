@@ -2,10 +2,11 @@
 
 A value token's scale is a magnitude (no sign, no bias), so it keeps its relative precision on a logarithmic grid:
 
-    scale = 2 ** ((code - LOG_OFFSET) / LOG_STEPS)      code in 1..255;  code 0 = scale 0 (an all-zero group)
+    scale = 2 ** ((code - LOG_OFFSET) / LOG_STEPS)      code in 1..254;  code 0 = scale 0 (an all-zero group)
+                                                        code 255 = NaN (a group holding inf or NaN)
 
-with ``LOG_STEPS = 8`` grid points per octave (9 % apart) over 31.75 octaves (about 2^-17.6 .. 2^14.1, clamped
-there). Coding searches the grid points at and just below each group's max-abs scale (``CLIP_STEPS`` of them, the
+with ``LOG_STEPS = 8`` grid points per octave (9 % apart) over 31.625 octaves (2^-17.625 .. 2^14, clamped there).
+A non-finite input keeps a non-finite token (it decodes NaN), never a finite one in its place. Coding searches the grid points at and just below each group's max-abs scale (``CLIP_STEPS`` of them, the
 same clip ratios 1.0 .. 0.59 as ``kblock_vsym``'s search) for the least squared error, so the coarse grid costs
 little: measured on SmolLM2 (BENCHMARKS.md) the same KL as float16 scales. A token costs ``b + 8 / g`` bits
 (4.125 at 4 bits, g = 64) instead of ``b + 16 / g``: with ``kblock_vsym``'s block keys (``b + 0.25``) the layout
@@ -26,34 +27,36 @@ from veloxquant_mlx.codecs.contract import AffineCodes
 from veloxquant_mlx.validate import check_heads
 
 LOG_STEPS = 8  # grid points per octave
-LOG_OFFSET = 142  # code of scale 1.0: codes 1..255 span 2^-17.625 .. 2^14.125
+LOG_OFFSET = 142  # code of scale 1.0: codes 1..254 span 2^-17.625 .. 2^14
+NON_FINITE = 255  # the scale code of a group holding inf or NaN
 CLIP_STEPS = 7  # grid points tried per group, from the first at or above max|y| / c downwards (ratios 1 .. 0.59)
 
 
 def decode_log_scales(codes: mx.array) -> mx.array:
-    """uint8 scale codes ``(...)`` -> float32 scales (code 0 -> 0)."""
-    c = codes.astype(mx.float32)
-    return mx.where(codes == 0, 0.0, mx.power(2.0, (c - LOG_OFFSET) / LOG_STEPS))
+    """uint8 scale codes ``(...)`` -> float32 scales (code 0 -> 0, code 255 -> NaN)."""
+    s = mx.where(codes == 0, 0.0, mx.power(2.0, (codes.astype(mx.float32) - LOG_OFFSET) / LOG_STEPS))
+    return mx.where(codes == NON_FINITE, float("nan"), s)
 
 
 def log_scale_codes(y: mx.array, bits: int, group: int):
     """``(..., d)`` -> (integer level codes ``(..., d)``, uint8 scale codes ``(..., d/group)``): per group, the grid
     scale of the least squared error among the ``CLIP_STEPS`` grid points at and below ``max|y| / c``. A group of
-    zeros gets scale code 0 (decodes to zeros); a non-finite group the largest scale (the layouts that use this
-    refuse non-finite tokens before coding them: `veloxquant_mlx.codecs.check_codable`)."""
+    zeros gets scale code 0 (decodes to zeros); a group holding inf or NaN code ``NON_FINITE`` (decodes NaN)."""
     c = (2 ** bits - 1) / 2
     g = y.reshape(*y.shape[:-1], y.shape[-1] // group, group)
     amax = mx.max(mx.abs(g), axis=-1, keepdims=True)  # (..., groups, 1)
     top = mx.ceil(LOG_STEPS * mx.log2(mx.maximum(amax, 1e-30) / c)) + LOG_OFFSET
-    top = mx.where(mx.isnan(top), 255, top)
-    cand = mx.clip(top[None] - mx.arange(CLIP_STEPS, dtype=mx.float32).reshape(-1, *([1] * top.ndim)), 1, 255)
+    bad = ~mx.isfinite(amax)
+    top = mx.where(bad, LOG_OFFSET, top)
+    cand = mx.clip(top[None] - mx.arange(CLIP_STEPS, dtype=mx.float32).reshape(-1, *([1] * top.ndim)), 1,
+                   NON_FINITE - 1)
     s = mx.power(2.0, (cand - LOG_OFFSET) / LOG_STEPS)  # (R, ..., groups, 1)
     q = mx.clip(mx.round(g[None] / s + c), 0, 2 ** bits - 1)
     err = mx.sum(mx.square(s * (q - c) - g[None]), axis=-1, keepdims=True)
     best = mx.argmin(err, axis=0)[None]
     q = mx.take_along_axis(q, mx.broadcast_to(best, (1,) + q.shape[1:]), axis=0)[0]
     code = mx.take_along_axis(cand, best, axis=0)[0]
-    code = mx.where(amax == 0, 0, code)
+    code = mx.where(amax == 0, 0, mx.where(bad, NON_FINITE, code))
     q = mx.where(amax == 0, c, q)  # (the zero level: x = s * (q - c) = 0 whatever s)
     return q.reshape(y.shape), code[..., 0].astype(mx.uint8)
 
@@ -87,4 +90,4 @@ class AffineSymLogScaleValueCodec(AffineSymValueCodec):
                            False, self.rotation.matrix, self.mean, self.zero)
 
 
-__all__ = ["AffineSymLogScaleValueCodec", "decode_log_scales", "log_scale_codes", "LOG_OFFSET", "LOG_STEPS"]
+__all__ = ["AffineSymLogScaleValueCodec", "decode_log_scales", "log_scale_codes", "LOG_OFFSET", "LOG_STEPS", "NON_FINITE"]
