@@ -51,7 +51,7 @@ def _packed(width, bits):
 
 
 # Bytes per token per layer of each registered configuration, 2 kv heads of d = 64, from its stored layout (the
-# marginal bytes over the last 256 of 2048 tokens; `methods` prints every stored byte at 2048 tokens, the 4 exact
+# marginal bytes over the last 256 of 2048 tokens after the sink; `methods` prints every stored byte there, the exact
 # sink tokens, the exact block tail and the fitted means included).
 H, D = 2, 64
 LAYOUT_BYTES = {
@@ -65,8 +65,8 @@ LAYOUT_BYTES = {
     # rotation + MLX affine codes: b bits + a float16 scale and bias per group of 64
     **{f"tq-affine-k{kb}v{vb}": H * (D * kb // 8 + 4 + D * vb // 8 + 4) for kb, vb in ((4, 4), (8, 4), (8, 8))},
     # keys per channel over 128-token blocks (b bits + a float16 scale and bias per channel per block), values
-    # per token (b bits + one float16 scale per 64 coordinates)
-    **{f"tq-{b}b": H * (D * b // 8 + 2 * 2 * D // 128 + D * b // 8 + 2 * D // 64) for b in (4, 3, 2)},
+    # per token (b bits + one one-byte log-grid scale per 64 coordinates)
+    **{f"tq-{b}b": H * (D * b // 8 + 2 * 2 * D // 128 + D * b // 8 + D // 64) for b in (4, 3, 2)},
 }
 
 
