@@ -307,3 +307,17 @@ def test_a_model_decodes_the_same_logits_with_and_without_the_kernel(tiny_model,
     finally:
         kernel.set_enabled(previous)
     np.testing.assert_allclose(np.array(with_kernel), np.array(without), rtol=1e-4, atol=1e-4)
+
+
+def test_one_byte_value_scales_read_by_the_kernel_or_decoded_for_a_module_without_the_grid(monkeypatch):
+    """kblock_vsym8's uint8 scales reach the kernel as bytes (its own table); a module built before the grid (no
+    constants) gets them decoded to float32 first: the same output, both equal to the reference."""
+    q, parts = _parts("kblock_vsym8", 4, 256, group_size=128, seed=3)
+    coded = [p for p in parts if isinstance(p, CodedPart)][0]
+    assert coded.v_codec.affine_codes(coded.v_arrays).scales.dtype == mx.uint8
+    ref = reference_one_query(q, parts, 0.125)
+    fast = _kernel(q, parts)
+    monkeypatch.setattr(kernel, "_reads_log_scales", lambda mod: False)
+    decoded = _kernel(q, parts)
+    _close(fast, ref)
+    _close(decoded, ref)

@@ -12,6 +12,7 @@ broken. ``VELOXQUANT_KERNEL=0`` (or `set_enabled(False)`) turns it off, for comp
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import threading
@@ -21,6 +22,7 @@ from typing import List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from veloxquant_mlx.attention.exp2 import LOG2E
+from veloxquant_mlx.codecs.affine_sym_log import LOG_OFFSET, LOG_STEPS, decode_log_scales
 
 _lock = threading.Lock()
 _module = None  # the loaded extension, once checked
@@ -117,6 +119,11 @@ def _usable():
     return mod
 
 
+def _reads_log_scales(mod) -> bool:
+    """Whether the built module reads uint8 log-grid scales on the grid of `affine_sym_log` (same constants)."""
+    return (getattr(mod, "log_scale_offset", None), getattr(mod, "log_scale_steps", None)) == (LOG_OFFSET, LOG_STEPS)
+
+
 def _row_mask(m: Optional[mx.array], B: int, H: int, n: int) -> Optional[mx.array]:
     """A part's mask (broadcastable to ``(B, H, R, n)``, the same for every query row) -> bool ``(B*H, n)``;
     raises LookupError when it differs across query rows (the reference handles it)."""
@@ -153,6 +160,10 @@ def decode_step(queries: mx.array, parts: Sequence, scale: float, sinks: Optiona
     if kc is None or vc is None:
         return None
     ka, va = kc(coded.k_arrays), vc(coded.v_arrays)
+    if ka is not None and ka.scales.dtype == mx.uint8:
+        return None  # (one-byte scales are a value layout's)
+    if va is not None and va.scales.dtype == mx.uint8 and not _reads_log_scales(mod):
+        va = dataclasses.replace(va, scales=decode_log_scales(va.scales))  # a module built before the grid
     if ka is None or va is None or (ka.biases is None and ka.levels is None) or \
             ka.group not in (32, 64, 128) or va.group not in (32, 64, 128):
         return None

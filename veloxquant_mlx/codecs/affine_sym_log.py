@@ -13,8 +13,9 @@ little: measured on SmolLM2 (BENCHMARKS.md) the same KL as float16 scales. A tok
 takes ``b + 0.1875`` bits per coordinate, which leaves room in a ``b + 0.25`` budget for an exact first token
 (the attention sink; see `veloxquant_mlx.options`).
 
-Attention is ``kblock_vsym``'s: the scales are decoded to float32 (one small ``(B, H, n, 1)`` array per step)
-when the codes are read, and `mx.quantized_matmul` or the compiled kernel read them as before.
+Attention is ``kblock_vsym``'s: the compiled kernel reads the one-byte scales through a 256-entry table (the same
+grid, its constants checked when the module loads); the pure-MLX path decodes them to float32 (one small
+``(B, H, n, 1)`` array per call) for `mx.quantized_matmul`.
 """
 from __future__ import annotations
 
@@ -86,7 +87,11 @@ class AffineSymLogScaleValueCodec(AffineSymValueCodec):
         return codes["w_q"], s, -self.zero * s
 
     def affine_codes(self, codes: Dict[str, mx.array]) -> Optional[AffineCodes]:
-        return AffineCodes(codes["w_q"], self._scales(codes), None, self.bits, self.group_size,
+        """Symmetric fields per token with the scales as their uint8 codes (the compiled kernel reads the grid
+        itself; `veloxquant_mlx.attention.kernel` decodes them with `decode_log_scales` for a kernel without it)."""
+        if "scales" not in codes:
+            self._scales(codes)  # (names the missing field)
+        return AffineCodes(codes["w_q"], codes["scales"], None, self.bits, self.group_size,
                            False, self.rotation.matrix, self.mean, self.zero)
 
 

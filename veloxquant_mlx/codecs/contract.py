@@ -51,7 +51,8 @@ class AffineCodes:
     """Codes in MLX's affine format, as a compiled attention reads them (`Codec.affine_codes`, optional member).
 
     ``w``: uint32 words of ``bits``-bit fields (a little-endian bit stream); ``scales`` / ``biases``: one per
-    ``group`` fields; ``biases`` None means symmetric levels (``x = scale * (code - zero)``). ``tokens_last``:
+    ``group`` fields; ``biases`` None means symmetric levels (``x = scale * (code - zero)``), whose ``scales`` may
+    be uint8 log-grid codes (`veloxquant_mlx.codecs.affine_sym_log.decode_log_scales`). ``tokens_last``:
     ``w`` is ``(B, H, d, n*bits/32)`` with groups along tokens, else ``(B, H, n, d*bits/32)`` with groups along
     channels. ``levels``: None, or a codebook ``(2**bits,)`` float32 that each code indexes first (Lloyd-Max codes:
     ``x = scale * levels[code]``). A decoded vector is ``Pi^T y + mean`` (``rotation``: the ``(d, d)`` Pi,

@@ -20,12 +20,15 @@
 #include <nanobind/stl/string.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
+#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <mutex>
 #include <optional>
 #include <sstream>
@@ -155,10 +158,21 @@ inline float exp2_nonpositive(float t) {
   return p * scale;
 }
 
-enum class ScaleType { f16, bf16, f32 };
+enum class ScaleType { f16, bf16, f32, u8log };
+
+// One-byte log-grid scales (kblock_vsym8, codecs/affine_sym_log.py; Python checks these constants at load):
+// code 0 -> 0, code 255 -> NaN (a group that held inf or NaN), else 2^((code - LOG_SCALE_OFFSET) / LOG_SCALE_STEPS).
+constexpr int LOG_SCALE_OFFSET = 142, LOG_SCALE_STEPS = 8;
+const std::array<float, 256> kLogScale = [] {
+  std::array<float, 256> t{};
+  for (int c = 1; c < 255; ++c) t[c] = std::exp2(float(c - LOG_SCALE_OFFSET) / LOG_SCALE_STEPS);
+  t[255] = std::numeric_limits<float>::quiet_NaN();
+  return t;
+}();
 
 // Scales and biases are read per channel per block and per token: conversions in one or two instructions.
 inline float load_scale(const void* p, ScaleType dt, int64_t i) {
+  if (dt == ScaleType::u8log) return kLogScale[static_cast<const uint8_t*>(p)[i]];
   if (dt == ScaleType::f16) {
 #if defined(__F16C__)
     return _cvtsh_ss(static_cast<const uint16_t*>(p)[i]);
@@ -900,7 +914,8 @@ void CodedDecodeAttention::eval_cpu(const std::vector<array>& inputs, array& out
       c.w = view(w);
       c.scales = view(s);
       if (b) c.biases = view(*b);
-      c.dtype = s.dtype() == float16 ? ScaleType::f16 : s.dtype() == bfloat16 ? ScaleType::bf16 : ScaleType::f32;
+      c.dtype = s.dtype() == float16 ? ScaleType::f16 : s.dtype() == bfloat16 ? ScaleType::bf16
+                : s.dtype() == uint8 ? ScaleType::u8log : ScaleType::f32;
       c.tokens_last = last;
       c.bits = bits;
       c.group = group;
@@ -964,7 +979,8 @@ void check_codes(const std::string& nm, const array& w, const array& s, const ar
   require(group == 32 || group == 64 || group == 128 || (!last && group == d && d % 8 == 0),
           nm + ": group must be 32, 64 or 128 (or, tokens first, the whole vector, a multiple of 8)");
   require(w.dtype() == uint32 && lead_ok(w, B, H), nm + " codes must be uint32 (B, H, ., .), got " + shape_str(w));
-  require(s.dtype() == float16 || s.dtype() == bfloat16 || s.dtype() == float32, nm + " scales: a float dtype");
+  require(s.dtype() == float16 || s.dtype() == bfloat16 || s.dtype() == float32 || (s.dtype() == uint8 && !b),
+          nm + " scales: a float dtype, or uint8 log-grid codes of symmetric levels (no biases)");
   require(lead_ok(s, B, H), nm + " scales must be (B, H, ., .), got " + shape_str(s));
   if (last) {
     require(w.shape(2) == d && n % group == 0 && int64_t(w.shape(3)) * 32 == n * bits,
@@ -1090,6 +1106,8 @@ NB_MODULE(_coded_attention, m) {
   m.doc() = "veloxquant_mlx's compiled attention on affine codes (CPU); the reference is packed_sdpa.attend_one_query";
   m.attr("built_with_mlx") = std::to_string(MLX_VERSION_MAJOR) + "." + std::to_string(MLX_VERSION_MINOR) + "." +
                               std::to_string(MLX_VERSION_PATCH);
+  m.attr("log_scale_offset") = vq::LOG_SCALE_OFFSET;
+  m.attr("log_scale_steps") = vq::LOG_SCALE_STEPS;
   m.def("threads", [] { return vq::pool().size(); }, "worker threads (VELOXQUANT_KERNEL_THREADS, else all cores)");
   m.def("coded_decode_attention", &vq::coded_decode_attention, nb::arg("q"), nb::arg("pk"), nb::arg("pv"),
         nb::arg("kw"), nb::arg("ks"), nb::arg("kb").none(), nb::arg("k_tokens_last"), nb::arg("k_bits"), nb::arg("k_group"),
