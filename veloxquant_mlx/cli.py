@@ -502,7 +502,7 @@ def cmd_methods(args) -> int:
              f"{m['bits_per_coordinate']:.3f}", (DEFAULT_MARK if s.name == DEFAULT_NAME else "") + s.description]
             for s, m in _measured(args.head_dim, args.kv_heads)]
     print(f"measured with head_dim={args.head_dim}, kv_heads={args.kv_heads}: every stored byte of one layer holding "
-          f"{DEFAULT_CONTEXT} random tokens (the benchmarks' measurement)")
+          f"{DEFAULT_CONTEXT} random tokens after its exact sink tokens (the benchmarks' measurement)")
     print(_table(["method", "family", "bits", f"bytes/token/layer @{DEFAULT_CONTEXT}", f"bits/coord @{DEFAULT_CONTEXT}",
                   "description"], rows))
     print(f"default: {DEFAULT_NAME} (`generate`, `serve`, `enable(model)` and `make_prompt_cache(model)` without "

@@ -83,5 +83,5 @@ def codec_layout(name: str) -> CodecLayout:
 
 
 __all__ = ["AffineBlockKVCodec", "AffineBlockKVMSECodec", "AffineBlockKeyCodec", "AffineRotatedCodec",
-           "AffineSymValueCodec", "AffineSymLogScaleValueCodec", "CODECS", "Codec", "CodeField", "CodecLayout", "Float16Codec",
-           "LloydMaxCodec", "LloydMaxValueCodec", "check_codable", "check_codec", "codec_layout"]
+           "AffineSymLogScaleValueCodec", "AffineSymValueCodec", "CODECS", "Codec", "CodeField", "CodecLayout",
+           "Float16Codec", "LloydMaxCodec", "LloydMaxValueCodec", "check_codable", "check_codec", "codec_layout"]
