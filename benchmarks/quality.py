@@ -117,6 +117,18 @@ OURS = {
     # "kbs" = kblock_vsym: the same keys, symmetric scale-only values per token (attention on codes throughout).
     **{f"kbs-k{kb}v{vb}": dict(k_bits=kb, v_bits=vb, codec="kblock_vsym", group_size=128, trim_headroom=0,
                                center_keys=False, center_values=False) for kb, vb in ((4, 4), (3, 3), (2, 2))},
+    # Issue 28's screens of the exact first token: "-s1" = 1 sink token, "kbs8" = kblock_vsym8 (one-byte value scales,
+    # what tq-Nb are with -s1), "-L5k..." = 5-bit keys in those layers.
+    **{f"kbs-k{b}v{b}-s1": dict(k_bits=b, v_bits=b, codec="kblock_vsym", group_size=128, trim_headroom=0,
+                                center_keys=False, center_values=False, sink=1) for b in (4, 3, 2)},
+    **{f"kbs8-k{kb}v{vb}-s{s}": dict(k_bits=kb, v_bits=vb, codec="kblock_vsym8", group_size=128, trim_headroom=0,
+                                     center_keys=False, center_values=False, sink=s)
+       for kb, vb, s in ((4, 4, 0), (4, 4, 1), (8, 4, 1), (4, 8, 1))},
+    "kbs-k4v4-s4": dict(k_bits=4, v_bits=4, codec="kblock_vsym", group_size=128, trim_headroom=0, center_keys=False,
+                        center_values=False, sink=4),
+    **{f"kbs8-k4v4-s1-L5k{'-'.join(map(str, layers))}": dict(
+        k_bits=[5 if i in layers else 4 for i in range(30)], v_bits=4, codec="kblock_vsym8", group_size=128,
+        trim_headroom=0, center_keys=False, center_values=False, sink=1) for layers in ((1, 16), (0, 1, 16, 19))},
     # The seed's cache: two b-bit RVQ key streams, float16 values.
     "seed-rvq-b1": dict(kind="rvq", k_bits=1),
     "seed-rvq-b2": dict(kind="rvq", k_bits=2),

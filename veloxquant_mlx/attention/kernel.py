@@ -124,6 +124,14 @@ def _reads_log_scales(mod) -> bool:
     return (getattr(mod, "log_scale_offset", None), getattr(mod, "log_scale_steps", None)) == (LOG_OFFSET, LOG_STEPS)
 
 
+def _readable_scales(codes, mod):
+    """``codes`` (AffineCodes or None) with uint8 log-grid scales decoded to float32 when ``mod`` was built
+    without that grid (the module reads them itself otherwise)."""
+    if codes is None or codes.scales.dtype != mx.uint8 or _reads_log_scales(mod):
+        return codes
+    return dataclasses.replace(codes, scales=decode_log_scales(codes.scales))
+
+
 def _row_mask(m: Optional[mx.array], B: int, H: int, n: int) -> Optional[mx.array]:
     """A part's mask (broadcastable to ``(B, H, R, n)``, the same for every query row) -> bool ``(B*H, n)``;
     raises LookupError when it differs across query rows (the reference handles it)."""
@@ -159,11 +167,7 @@ def decode_step(queries: mx.array, parts: Sequence, scale: float, sinks: Optiona
     vc = getattr(coded.v_codec, "affine_codes", None)
     if kc is None or vc is None:
         return None
-    ka, va = kc(coded.k_arrays), vc(coded.v_arrays)
-    if ka is not None and ka.scales.dtype == mx.uint8:
-        return None  # (one-byte scales are a value layout's)
-    if va is not None and va.scales.dtype == mx.uint8 and not _reads_log_scales(mod):
-        va = dataclasses.replace(va, scales=decode_log_scales(va.scales))  # a module built before the grid
+    ka, va = (_readable_scales(c, mod) for c in (kc(coded.k_arrays), vc(coded.v_arrays)))
     if ka is None or va is None or (ka.biases is None and ka.levels is None) or \
             ka.group not in (32, 64, 128) or va.group not in (32, 64, 128):
         return None

@@ -76,23 +76,25 @@ class AffineSymLogScaleValueCodec(AffineSymValueCodec):
         q, code = log_scale_codes(self.rotate(x), self.bits, self.group_size)
         return {"w_q": pack_codes(q, self.bits), "scales": code}
 
-    def _scales(self, codes: Dict[str, mx.array]) -> mx.array:
+    @staticmethod
+    def _fields(codes: Dict[str, mx.array]):
+        """(w_q, uint8 scale codes); ValueError naming a missing field."""
         missing = [f for f in SYM_FIELDS if f not in codes]
         if missing:
             raise ValueError(f"codes must hold {SYM_FIELDS}, missing {missing}")
-        return decode_log_scales(codes["scales"])
+        return codes["w_q"], codes["scales"]
 
     def _affine(self, codes: Dict[str, mx.array]):
-        s = self._scales(codes)
-        return codes["w_q"], s, -self.zero * s
+        w, code = self._fields(codes)
+        s = decode_log_scales(code)
+        return w, s, -self.zero * s
 
     def affine_codes(self, codes: Dict[str, mx.array]) -> Optional[AffineCodes]:
         """Symmetric fields per token with the scales as their uint8 codes (the compiled kernel reads the grid
         itself; `veloxquant_mlx.attention.kernel` decodes them with `decode_log_scales` for a kernel without it)."""
-        if "scales" not in codes:
-            self._scales(codes)  # (names the missing field)
-        return AffineCodes(codes["w_q"], codes["scales"], None, self.bits, self.group_size,
-                           False, self.rotation.matrix, self.mean, self.zero)
+        w, code = self._fields(codes)
+        return AffineCodes(w, code, None, self.bits, self.group_size, False, self.rotation.matrix, self.mean,
+                           self.zero)
 
 
 __all__ = ["AffineSymLogScaleValueCodec", "LOG_OFFSET", "LOG_STEPS", "NON_FINITE", "decode_log_scales",
