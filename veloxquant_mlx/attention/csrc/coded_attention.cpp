@@ -158,6 +158,24 @@ inline float exp2_nonpositive(float t) {
   return p * scale;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// exp2_nonpositive on 8 lanes (the same steps; the polynomial by fused multiply-adds).
+inline __m256 exp2_nonpositive8(__m256 t) {
+  t = _mm256_max_ps(t, _mm256_set1_ps(-126.0f));
+  const __m256 magic = _mm256_set1_ps(12582912.0f);
+  const __m256 i = _mm256_sub_ps(_mm256_add_ps(t, magic), magic);
+  const __m256 x = _mm256_mul_ps(_mm256_sub_ps(t, i), _mm256_set1_ps(0.6931471805599453f));
+  __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(0.0013888889f), x, _mm256_set1_ps(0.008333334f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(0.041666668f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(0.16666667f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(i), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
 enum class ScaleType { f16, bf16, f32, u8log };
 
 // One-byte log-grid scales (kblock_vsym8, codecs/affine_sym_log.py; Python checks these constants at load):
@@ -433,14 +451,46 @@ inline void score_rows(const float* qs, const float* base, const float* kt, int 
     for (int tt = 0; tt < TILE; ++tt) s[r * TILE + tt] = acc[r][tt];
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// The same sums in AVX2 registers: RB x 4 accumulators of 8 tokens (the generic loops above spilled them to the
+// stack, a store-to-load round trip per multiply-add).
+template <int RB>
+inline void score_rows_avx(const float* qs, const float* base, const float* kt, int d, float* s) {
+  static_assert(TILE == 32, "four vectors of 8 tokens per row");
+  __m256 acc[RB][4];
+#pragma GCC unroll 4
+  for (int r = 0; r < RB; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_set1_ps(base[r]);
+  for (int c = 0; c < d; ++c) {
+    const float* kc = kt + c * TILE;
+    const __m256 k0 = _mm256_load_ps(kc), k1 = _mm256_load_ps(kc + 8), k2 = _mm256_load_ps(kc + 16),
+                 k3 = _mm256_load_ps(kc + 24);
+#pragma GCC unroll 4
+    for (int r = 0; r < RB; ++r) {
+      const __m256 q = _mm256_broadcast_ss(qs + r * d + c);
+      acc[r][0] = _mm256_fmadd_ps(q, k0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(q, k1, acc[r][1]);
+      acc[r][2] = _mm256_fmadd_ps(q, k2, acc[r][2]);
+      acc[r][3] = _mm256_fmadd_ps(q, k3, acc[r][3]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < RB; ++r)
+    for (int j = 0; j < 4; ++j) _mm256_store_ps(s + r * TILE + 8 * j, acc[r][j]);
+}
+#define VQ_SCORE_ROWS score_rows_avx
+#else
+#define VQ_SCORE_ROWS score_rows
+#endif
+
 inline void score_tile(int R, const float* qs, const float* base, const float* kt, int d, float* s) {
   for (int r0 = 0; r0 < R; r0 += ROW_BLOCK) {
     int rb = std::min(ROW_BLOCK, R - r0);
     const float *q = qs + r0 * d, *b = base + r0;
     float* out = s + r0 * TILE;
-    if (rb == 3) score_rows<3>(q, b, kt, d, out);
-    else if (rb == 2) score_rows<2>(q, b, kt, d, out);
-    else score_rows<1>(q, b, kt, d, out);
+    if (rb == 3) VQ_SCORE_ROWS<3>(q, b, kt, d, out);
+    else if (rb == 2) VQ_SCORE_ROWS<2>(q, b, kt, d, out);
+    else VQ_SCORE_ROWS<1>(q, b, kt, d, out);
   }
 }
 
@@ -470,14 +520,60 @@ inline void weighted_rows(const float* w, const float* x, int ldx, int nt, float
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// The same sums in AVX2 registers, 32 then 8 columns at a time (accumulators RB x 4 vectors: no spills).
+template <int RB>
+inline void weighted_rows_avx(const float* w, const float* x, int ldx, int nt, float* o, int ldo, int c0, int c1) {
+  int c = c0;
+  for (; c + 32 <= c1; c += 32) {
+    __m256 acc[RB][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < RB; ++r)
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_loadu_ps(o + r * ldo + c + 8 * j);
+    for (int tt = 0; tt < nt; ++tt) {
+      const float* xt = x + tt * ldx + c;
+      const __m256 x0 = _mm256_loadu_ps(xt), x1 = _mm256_loadu_ps(xt + 8), x2 = _mm256_loadu_ps(xt + 16),
+                   x3 = _mm256_loadu_ps(xt + 24);
+#pragma GCC unroll 4
+      for (int r = 0; r < RB; ++r) {
+        const __m256 p = _mm256_broadcast_ss(w + r * TILE + tt);
+        acc[r][0] = _mm256_fmadd_ps(p, x0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(p, x1, acc[r][1]);
+        acc[r][2] = _mm256_fmadd_ps(p, x2, acc[r][2]);
+        acc[r][3] = _mm256_fmadd_ps(p, x3, acc[r][3]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < RB; ++r)
+      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(o + r * ldo + c + 8 * j, acc[r][j]);
+  }
+  for (; c + 8 <= c1; c += 8) {
+    __m256 acc[RB];
+#pragma GCC unroll 4
+    for (int r = 0; r < RB; ++r) acc[r] = _mm256_loadu_ps(o + r * ldo + c);
+    for (int tt = 0; tt < nt; ++tt) {
+      const __m256 xv = _mm256_loadu_ps(x + tt * ldx + c);
+#pragma GCC unroll 4
+      for (int r = 0; r < RB; ++r) acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(w + r * TILE + tt), xv, acc[r]);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < RB; ++r) _mm256_storeu_ps(o + r * ldo + c, acc[r]);
+  }
+  if (c < c1) weighted_rows<RB>(w, x, ldx, nt, o, ldo, c, c1);
+}
+#define VQ_WEIGHTED_ROWS weighted_rows_avx
+#else
+#define VQ_WEIGHTED_ROWS weighted_rows
+#endif
+
 inline void weighted_tile(int R, const float* w, const float* x, int ldx, int nt, float* o, int ldo, int c0, int c1) {
   for (int r0 = 0; r0 < R; r0 += ROW_BLOCK) {
     int rb = std::min(ROW_BLOCK, R - r0);
     const float* wr = w + r0 * TILE;
     float* orow = o + r0 * ldo;
-    if (rb == 3) weighted_rows<3>(wr, x, ldx, nt, orow, ldo, c0, c1);
-    else if (rb == 2) weighted_rows<2>(wr, x, ldx, nt, orow, ldo, c0, c1);
-    else weighted_rows<1>(wr, x, ldx, nt, orow, ldo, c0, c1);
+    if (rb == 3) VQ_WEIGHTED_ROWS<3>(wr, x, ldx, nt, orow, ldo, c0, c1);
+    else if (rb == 2) VQ_WEIGHTED_ROWS<2>(wr, x, ldx, nt, orow, ldo, c0, c1);
+    else VQ_WEIGHTED_ROWS<1>(wr, x, ldx, nt, orow, ldo, c0, c1);
   }
 }
 
@@ -566,9 +662,25 @@ inline void softmax_tile(Partial& P, int R, int nt, int dv, float* s) {
     for (int tt = 0; tt < nt; ++tt) mt = std::max(mt, sr[tt]);
     float alpha = exp2_nonpositive(P.m[r] - mt);
     float sum = 0.0f;
-    for (int tt = 0; tt < nt; ++tt) {
-      sr[tt] = exp2_nonpositive(sr[tt] - mt);
-      sum += sr[tt];
+#if defined(__AVX2__) && defined(__FMA__)
+    if (nt == TILE) {  // a whole tile: 8 exponentials at a time, the same polynomial
+      const __m256 m8 = _mm256_set1_ps(mt);
+      __m256 acc = _mm256_setzero_ps();
+      for (int tt = 0; tt < TILE; tt += 8) {
+        __m256 e = exp2_nonpositive8(_mm256_sub_ps(_mm256_load_ps(sr + tt), m8));
+        _mm256_store_ps(sr + tt, e);
+        acc = _mm256_add_ps(acc, e);
+      }
+      alignas(32) float part[8];
+      _mm256_store_ps(part, acc);
+      sum = ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
+    } else
+#endif
+    {
+      for (int tt = 0; tt < nt; ++tt) {
+        sr[tt] = exp2_nonpositive(sr[tt] - mt);
+        sum += sr[tt];
+      }
     }
     for (int tt = nt; tt < TILE; ++tt) sr[tt] = 0.0f;
     P.m[r] = mt;
