@@ -179,6 +179,33 @@ def test_clipped_codes_lose_less_than_min_max(bits):
     assert err("kblock_vsym8", "values") < 1.03 * err("kblock_vsym", "values")
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("block", [32, 128])
+def test_clipped_quantize_equals_quantizing_every_candidate(bits, block):
+    """`clipped_quantize` scores the clip candidates on mx.quantize's grid without quantizing them: the same arrays,
+    bit for bit, as quantizing every candidate and keeping the least squared error (constant groups included)."""
+    import mlx.core as mx
+
+    from veloxquant_mlx.codecs.affine_block_kv import clip_candidates, clipped_quantize
+
+    k1, k2, k3 = mx.random.split(mx.random.key(bits * 1000 + block), 3)
+    y = mx.random.normal((1, 3, 16, 256), key=k1) * 3 * mx.random.uniform(shape=(1, 3, 16, 1), key=k2) \
+        + mx.random.normal((1, 3, 16, 1), key=k3)
+    y[:, :, :2, :block] = 0.5   # constant groups: MLX's zero-edge branch
+    y[:, :, 2, :block] = 0.0
+    cands = clip_candidates(y, block)  # (R, ...): quantize each, keep the least squared error per group
+    w_q, scales, biases = mx.quantize(cands, group_size=block, bits=bits)
+    err = mx.dequantize(w_q, scales, biases, group_size=block, bits=bits) - y[None]
+    best = mx.argmin(mx.sum(mx.square(err).reshape(*scales.shape, block), axis=-1), axis=0)[None]
+    words = w_q.reshape(*scales.shape, -1)
+    want = (mx.take_along_axis(words, best[..., None], axis=0)[0].reshape(w_q.shape[1:]),
+            mx.take_along_axis(scales, best, axis=0)[0], mx.take_along_axis(biases, best, axis=0)[0])
+    got = clipped_quantize(y, block, bits)
+    assert bits == 8 or int(mx.sum(best != 0)) > 0  # some group really clipped (at 8 bits min-max wins)
+    for name, a, b in zip(("w_q", "scales", "biases"), want, got):
+        assert a.shape == b.shape and a.dtype == b.dtype and bool(mx.array_equal(a, b)), name
+
+
 def test_log_grid_scales_are_one_byte_and_cover_their_range():
     """kblock_vsym8's value scales: uint8 codes, 8 grid points per octave; zeros stay zeros; the range ends clamp
     (tiny groups take the smallest scale, huge ones the largest) instead of overflowing; inf or NaN stays

@@ -82,19 +82,42 @@ def clip_candidates(y: mx.array, block: int) -> mx.array:
     return mx.stack([mx.clip(g, mid - r * half, mid + r * half).reshape(y.shape) for r in CLIP_RATIOS])
 
 
+def clipped_quantize(y: mx.array, block: int, bits: int) -> Tuple[mx.array, mx.array, mx.array]:
+    """``mx.quantize`` of ``y`` ``(..., n)`` with each group first clipped to the candidate of `clip_candidates`
+    whose ``mx.quantize`` round trip has the least squared error -> ``(w_q, scales, biases)``.
+
+    Each candidate's error is computed on ``mx.quantize``'s own grid (its scale, the zero-representing edge and
+    bias, as MLX's affine quantize sets them) in plain elementwise float ops, then only the chosen candidate is
+    quantized: the same arrays as quantizing every candidate (tested bit for bit), 1.5-3x faster on CPU, where
+    packing 3-bit codes dominated a budget preset's prefill store."""
+    g = y.reshape(*y.shape[:-1], y.shape[-1] // block, block)  # (..., groups, block)
+    lo, hi = mx.min(g, axis=-1, keepdims=True), mx.max(g, axis=-1, keepdims=True)
+    mid, half = (lo + hi) / 2, (hi - lo) / 2
+    ratios = mx.array(CLIP_RATIOS, dtype=mx.float32)
+    r = ratios.reshape(-1, *([1] * g.ndim))  # (R, 1, ..., 1)
+    lo_r, hi_r = mid[None] - r * half[None], mid[None] + r * half[None]  # (R, ..., groups, 1)
+    n_bins = 2 ** bits - 1
+    # mx.quantize's grid for the range [lo_r, hi_r]: the larger-magnitude end is the bias and a grid point, and
+    # the scale is adjusted so that zero is one too
+    scale = mx.maximum((hi_r - lo_r) / n_bins, 1e-7)
+    low_edge = mx.abs(lo_r) > mx.abs(hi_r)
+    scale = mx.where(low_edge, scale, -scale)
+    edge = mx.where(low_edge, lo_r, hi_r)
+    q0 = mx.round(edge / scale)
+    scale = mx.where(q0 != 0, edge / q0, scale)
+    bias = mx.where(q0 == 0, 0.0, edge)
+    q = mx.clip(mx.round((mx.clip(g[None], lo_r, hi_r) - bias) / scale), 0, n_bins)
+    err = mx.sum(mx.square(q * scale + bias - g[None]), axis=-1, keepdims=True)  # (R, ..., groups, 1)
+    rb = ratios[mx.argmin(err, axis=0)]  # (..., groups, 1)
+    clipped = mx.clip(g, mid - rb * half, mid + rb * half).reshape(y.shape)
+    return mx.quantize(clipped, group_size=block, bits=bits)
+
+
 class AffineBlockKVMSECodec(AffineBlockKVCodec):
     """`AffineBlockKVCodec` whose groups take the clipped range (of ``CLIP_RATIOS``) with the least squared error."""
 
     def quantize(self, y: mx.array) -> Tuple[mx.array, mx.array, mx.array]:
-        cands = clip_candidates(y, self.block)  # (R, B, H, d, n)
-        w_q, scales, biases = mx.quantize(cands, group_size=self.block, bits=self.bits)
-        err = mx.dequantize(w_q, scales, biases, group_size=self.block, bits=self.bits) - y[None]
-        err = mx.sum(mx.square(err).reshape(*scales.shape, self.block), axis=-1)  # (R, B, H, d, groups)
-        best = mx.argmin(err, axis=0)[None]  # (1, B, H, d, groups)
-        words = w_q.reshape(*scales.shape, -1)  # (R, B, H, d, groups, words per group)
-        w_best = mx.take_along_axis(words, best[..., None], axis=0)[0].reshape(w_q.shape[1:])
-        pick = lambda a: mx.take_along_axis(a, best, axis=0)[0]  # noqa: E731
-        return w_best, pick(scales), pick(biases)
+        return clipped_quantize(y, self.block, self.bits)
 
 
 class LloydMaxValueCodec(LloydMaxCodec):
