@@ -82,6 +82,19 @@ def test_parity_per_layout_and_bits(codec, bits, n_blocks):
     _close(_kernel(q, parts), reference_one_query(q, parts, 0.125))
 
 
+@pytest.mark.parametrize("codec", ["affine_block", "kblock_vsym8", "lloyd_max"])
+def test_a_nan_score_gives_nan_not_a_silently_finite_output(codec):
+    """A query row whose scores are NaN yields NaN, as the reference does (the vector softmax must not clamp a NaN
+    into a tiny weight); the other rows are unaffected."""
+    gs = 128 if codec == "kblock_vsym8" else None
+    q, parts = _parts(codec, 4, 256, group_size=gs, exact=False, seed=5)
+    q = mx.where(mx.arange(q.shape[1]).reshape(1, -1, 1, 1) == 1, float("nan"), q)  # query head 1
+    out, ref = np.array(_kernel(q, parts)), np.array(reference_one_query(q, parts, 0.125))
+    assert np.isnan(ref[:, 1]).all() and np.isnan(out[:, 1]).all()
+    keep = [h for h in range(q.shape[1]) if h != 1]
+    _close(out[:, keep], ref[:, keep])
+
+
 @pytest.mark.parametrize("d,R", [(32, 1), (64, 4), (128, 2)])
 @pytest.mark.parametrize("codec", ["affine", "affine_block"])
 def test_parity_head_dims_and_gqa_groups(d, R, codec):

@@ -35,7 +35,7 @@
 #include <stdexcept>
 #include <thread>
 #include <vector>
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -159,9 +159,10 @@ inline float exp2_nonpositive(float t) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-// exp2_nonpositive on 8 lanes (the same steps; the polynomial by fused multiply-adds).
+// exp2_nonpositive on 8 lanes (the same steps; the polynomial by fused multiply-adds). max_ps returns its second
+// operand when either is NaN: t goes second, so a NaN score stays NaN (as std::max keeps it) and is never hidden.
 inline __m256 exp2_nonpositive8(__m256 t) {
-  t = _mm256_max_ps(t, _mm256_set1_ps(-126.0f));
+  t = _mm256_max_ps(_mm256_set1_ps(-126.0f), t);
   const __m256 magic = _mm256_set1_ps(12582912.0f);
   const __m256 i = _mm256_sub_ps(_mm256_add_ps(t, magic), magic);
   const __m256 x = _mm256_mul_ps(_mm256_sub_ps(t, i), _mm256_set1_ps(0.6931471805599453f));
