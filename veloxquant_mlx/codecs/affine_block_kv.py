@@ -88,8 +88,8 @@ def clipped_quantize(y: mx.array, block: int, bits: int) -> Tuple[mx.array, mx.a
 
     Each candidate's error is computed on ``mx.quantize``'s own grid (its scale, the zero-representing edge and
     bias, as MLX's affine quantize sets them) in plain elementwise float ops, then only the chosen candidate is
-    quantized: the same arrays as quantizing every candidate (tested bit for bit), 1.5-3x faster on CPU, where
-    packing 3-bit codes dominated a budget preset's prefill store."""
+    quantized: the same arrays as quantizing every candidate (tested bit for bit), 1.6-2.7x faster on this CPU,
+    where quantizing six candidates (3-bit codes the slowest) was most of a budget preset's prefill store."""
     g = y.reshape(*y.shape[:-1], y.shape[-1] // block, block)  # (..., groups, block)
     lo, hi = mx.min(g, axis=-1, keepdims=True), mx.max(g, axis=-1, keepdims=True)
     mid, half = (lo + hi) / 2, (hi - lo) / 2
