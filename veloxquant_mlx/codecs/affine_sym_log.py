@@ -8,7 +8,8 @@ A value token's scale is a magnitude (no sign, no bias), so it keeps its relativ
 with ``LOG_STEPS = 8`` grid points per octave (9 % apart) over 31.625 octaves (2^-17.625 .. 2^14, clamped there).
 A non-finite input keeps a non-finite token (it decodes NaN), never a finite one in its place. Coding searches the
 grid points at and just below each group's max-abs scale (``CLIP_STEPS`` of them, the same clip ratios 1.0 .. 0.59
-as ``kblock_vsym``'s search) for the least squared error, so the coarse grid costs little: measured on SmolLM2 (BENCHMARKS.md) the same KL as float16 scales. A token costs ``b + 8 / g`` bits
+as ``kblock_vsym``'s search) for the least squared error, so the coarse grid costs little: measured on SmolLM2
+(BENCHMARKS.md) the same KL as float16 scales. A token costs ``b + 8 / g`` bits
 (4.125 at 4 bits, g = 64) instead of ``b + 16 / g``: with ``kblock_vsym``'s block keys (``b + 0.25``) the layout
 takes ``b + 0.1875`` bits per coordinate, which leaves room in a ``b + 0.25`` budget for an exact first token
 (the attention sink; see `veloxquant_mlx.options`).

@@ -453,6 +453,14 @@ inline void score_rows(const float* qs, const float* base, const float* kt, int 
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
+// acc[j] += p * v_j for four vectors: one row's share of a 32-wide tile update (both tile kernels below).
+inline void fma4(__m256 (&acc)[4], __m256 p, __m256 v0, __m256 v1, __m256 v2, __m256 v3) {
+  acc[0] = _mm256_fmadd_ps(p, v0, acc[0]);
+  acc[1] = _mm256_fmadd_ps(p, v1, acc[1]);
+  acc[2] = _mm256_fmadd_ps(p, v2, acc[2]);
+  acc[3] = _mm256_fmadd_ps(p, v3, acc[3]);
+}
+
 // The same sums in AVX2 registers: RB x 4 accumulators of 8 tokens (the generic loops above spilled them to the
 // stack, a store-to-load round trip per multiply-add).
 template <int RB>
@@ -467,13 +475,7 @@ inline void score_rows_avx(const float* qs, const float* base, const float* kt, 
     const __m256 k0 = _mm256_load_ps(kc), k1 = _mm256_load_ps(kc + 8), k2 = _mm256_load_ps(kc + 16),
                  k3 = _mm256_load_ps(kc + 24);
 #pragma GCC unroll 4
-    for (int r = 0; r < RB; ++r) {
-      const __m256 q = _mm256_broadcast_ss(qs + r * d + c);
-      acc[r][0] = _mm256_fmadd_ps(q, k0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(q, k1, acc[r][1]);
-      acc[r][2] = _mm256_fmadd_ps(q, k2, acc[r][2]);
-      acc[r][3] = _mm256_fmadd_ps(q, k3, acc[r][3]);
-    }
+    for (int r = 0; r < RB; ++r) fma4(acc[r], _mm256_broadcast_ss(qs + r * d + c), k0, k1, k2, k3);
   }
 #pragma GCC unroll 4
   for (int r = 0; r < RB; ++r)
@@ -536,13 +538,7 @@ inline void weighted_rows_avx(const float* w, const float* x, int ldx, int nt, f
       const __m256 x0 = _mm256_loadu_ps(xt), x1 = _mm256_loadu_ps(xt + 8), x2 = _mm256_loadu_ps(xt + 16),
                    x3 = _mm256_loadu_ps(xt + 24);
 #pragma GCC unroll 4
-      for (int r = 0; r < RB; ++r) {
-        const __m256 p = _mm256_broadcast_ss(w + r * TILE + tt);
-        acc[r][0] = _mm256_fmadd_ps(p, x0, acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(p, x1, acc[r][1]);
-        acc[r][2] = _mm256_fmadd_ps(p, x2, acc[r][2]);
-        acc[r][3] = _mm256_fmadd_ps(p, x3, acc[r][3]);
-      }
+      for (int r = 0; r < RB; ++r) fma4(acc[r], _mm256_broadcast_ss(w + r * TILE + tt), x0, x1, x2, x3);
     }
 #pragma GCC unroll 4
     for (int r = 0; r < RB; ++r)
