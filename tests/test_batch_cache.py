@@ -233,10 +233,11 @@ def _arrays_reachable(obj, seen=None) -> int:
     if hasattr(obj, "__dict__") and not isinstance(obj, type) and id(obj) not in seen:
         seen.add(id(obj))
         # shared, stateless rotations (the same for every row); the (B,) offset array is bookkeeping, as in
-        # mlx_lm's BatchKVCache, whose nbytes counts keys and values only; "_folded" / "_sink_views" are
-        # views of counted arrays kept for the next decode step (reset whenever those arrays change: a stale
-        # one would attend old codes, which the equality tests here would see)
-        skip = ("rotation", "quantizers", "_base", "offset", "_folded", "_sink_views")
+        # mlx_lm's BatchKVCache, whose nbytes counts keys and values only; "_views" (with the attention parts
+        # made of them) / "_sink_views" are views of counted arrays kept for the next decode step (reset whenever
+        # those arrays change: a stale one would attend old codes, which tests/test_kernel.py and the equality
+        # tests here would see; holding superseded arrays, tests/test_cache_memory.py)
+        skip = ("rotation", "quantizers", "_base", "offset", "_views", "_sink_views")
         return sum(_arrays_reachable(v, seen) for k, v in vars(obj).items() if k not in skip)
     return 0
 

@@ -283,6 +283,52 @@ def test_a_module_that_computes_garbage_is_refused(fresh_kernel_state, monkeypat
     assert "first-use check" in kernel._reason
 
 
+def _fresh(parts):
+    """New part objects over copied arrays (of a `Rows.copy`, which keeps no view): nothing a step kept applies."""
+    return [CodedPart(p.k_codec, {f: mx.array(a) for f, a in p.k_arrays.items()}, p.v_codec,
+                      {f: mx.array(a) for f, a in p.v_arrays.items()}) if isinstance(p, CodedPart) else
+            ExactPart(mx.array(p.keys), mx.array(p.values)) for p in parts]
+
+
+@pytest.mark.parametrize("name", ["tq-affine-k8v4", "tq-prod-k4v4", "tq-3b"])
+def test_what_the_kernel_keeps_between_steps_follows_the_cache(name):
+    """Decode steps reuse the coded part and the kernel's view of it until the cache codes its next tokens: through
+    blocks coded, trims into the codes (slots written again), and a batch of two rows coding at different steps,
+    every step equals the reference on freshly built parts."""
+    from veloxquant_mlx.cache.packed_cache import TurboQuantBatchPackedCache, TurboQuantPackedCache, _folded_part_masks
+    from veloxquant_mlx.integration import use_packed_attention
+
+    H, R, d = 2, 3, 64
+    rnd = lambda shape, i: mx.random.normal(shape, key=mx.random.key(i))  # noqa: E731
+    caches = [TurboQuantPackedCache(name) for _ in range(2)]
+    with use_packed_attention():
+        for j, c in enumerate(caches):
+            n = 150 + 101 * j  # (the rows code their blocks at different steps)
+            c.update_and_fetch(rnd((1, H, n, d), 10 + j), rnd((1, H, n, d), 20 + j))
+            c.attend_packed(rnd((1, H * R, n, d), 30 + j), 0.125, "causal")
+        one, coded_steps, reused = caches[0], 0, 0
+        for step in range(140):
+            if step % 45 == 44:
+                one.trim(70)  # into the codes: their slots are written again
+            one.update_and_fetch(rnd((1, H, 1, d), 100 + step), rnd((1, H, 1, d), 400 + step))
+            before = [p for p in one.rows.row_parts(0) if isinstance(p, CodedPart)]
+            q = rnd((1, H * R, 1, d), 700 + step)
+            out = one.attend_packed(q, 0.125, None)
+            after = [p for p in one.rows.row_parts(0) if isinstance(p, CodedPart)]
+            coded_steps += bool(before)
+            reused += bool(before) and all(a is b for a, b in zip(after, before))
+            _close(out, reference_one_query(q, _fresh(one.rows.copy().row_parts(0)), 0.125))
+        assert coded_steps > 100 and reused == coded_steps  # (the memo is used, not rebuilt, within a step)
+        batch = TurboQuantBatchPackedCache.merge(caches)
+        for step in range(70):
+            batch.update_and_fetch(rnd((2, H, 1, d), 900 + step), rnd((2, H, 1, d), 1200 + step))
+            q = rnd((2, H * R, 1, d), 1500 + step)
+            out = batch.attend_packed(q, 0.125, None)
+            ref = reference_one_query(q.reshape(1, 2 * H * R, 1, d), _fresh(batch.rows.copy().attention_parts()), 0.125,
+                                      masks=_folded_part_masks(batch.rows))
+            _close(out, ref.reshape(out.shape))
+
+
 # -- through a model ----------------------------------------------------------------------------------------------
 def test_a_model_decodes_the_same_logits_with_and_without_the_kernel(tiny_model, monkeypatch):
     """The default cache (8-bit block keys, 4-bit values, exact sink) through a prefill and decode steps: the

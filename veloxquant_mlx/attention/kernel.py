@@ -143,6 +143,45 @@ def _row_mask(m: Optional[mx.array], B: int, H: int, n: int) -> Optional[mx.arra
     return mx.contiguous(mx.broadcast_to(m.reshape(shape), (B, H, 1, n)).reshape(B * H, n))
 
 
+def _coded_arguments(coded, mod):
+    """``(key codes, value codes, second-stream arguments)`` of a coded part as the kernel reads them, or None when
+    it cannot. Kept on the part (with the arrays it was derived from): a cache hands the same part to every
+    decode step until it codes its next block, so this runs once per block, not once per layer and step."""
+    arrays = (*coded.k_arrays.values(), *coded.v_arrays.values())
+    memo = coded.__dict__.get("_kernel_arguments")
+    if memo is not None and memo[0] is mod and len(memo[1]) == len(arrays) and \
+            all(a is b for a, b in zip(memo[1], arrays)):
+        return memo[2]
+    result = _derive_coded_arguments(coded, mod)
+    coded.__dict__["_kernel_arguments"] = (mod, arrays, result)
+    return result
+
+
+def _derive_coded_arguments(coded, mod):
+    kc = getattr(coded.k_codec, "affine_codes", None)
+    vc = getattr(coded.v_codec, "affine_codes", None)
+    if kc is None or vc is None:
+        return None
+    ka, va = (_readable_scales(c, mod) for c in (kc(coded.k_arrays), vc(coded.v_arrays)))
+    if ka is None or va is None or (ka.biases is None and ka.levels is None) or \
+            ka.group not in (32, 64, 128) or va.group not in (32, 64, 128):
+        return None
+    k2, v2 = ka.extra, va.extra
+    if k2 is not None and (ka.tokens_last or k2.tokens_last or k2.levels is None or k2.biases is not None
+                           or k2.scales.shape[-1] != 1 or k2.group % 8 or k2.rotation.shape[0] > 256):
+        return None
+    # RVQ keys: the second stream under the first's scales and rotation: levels summed before the dots
+    k2_summed = k2 is not None and k2.scales is ka.scales and k2.rotation is ka.rotation and ka.levels is not None \
+        and ka.biases is None
+    if v2 is not None and (v2.scales is not va.scales or v2.rotation is not va.rotation or v2.levels is None
+                           or va.levels is None or va.tokens_last):
+        return None
+    tail = ((k2.w, None, None, k2.levels, k2.bits) if k2_summed else
+            (k2.w, k2.scales, k2.rotation, k2.levels, k2.bits) if k2 is not None else (None,) * 4 + (0,))
+    tail += (v2.w, v2.levels, v2.bits) if v2 is not None else (None, None, 0)
+    return ka, va, tail
+
+
 def decode_step(queries: mx.array, parts: Sequence, scale: float, sinks: Optional[mx.array] = None,
                 masks: Optional[Sequence[Optional[mx.array]]] = None) -> Optional[mx.array]:
     """`attend_one_query` through the compiled kernel: ``(B, Hq, 1, d)`` -> ``(B, Hq, 1, dv)``, or None when this
@@ -163,24 +202,10 @@ def decode_step(queries: mx.array, parts: Sequence, scale: float, sinks: Optiona
             exact.append((p, m))
     if coded is None:
         return None
-    kc = getattr(coded.k_codec, "affine_codes", None)
-    vc = getattr(coded.v_codec, "affine_codes", None)
-    if kc is None or vc is None:
+    args = _coded_arguments(coded, mod)
+    if args is None:
         return None
-    ka, va = (_readable_scales(c, mod) for c in (kc(coded.k_arrays), vc(coded.v_arrays)))
-    if ka is None or va is None or (ka.biases is None and ka.levels is None) or \
-            ka.group not in (32, 64, 128) or va.group not in (32, 64, 128):
-        return None
-    k2, v2 = ka.extra, va.extra
-    if k2 is not None and (ka.tokens_last or k2.tokens_last or k2.levels is None or k2.biases is not None
-                           or k2.scales.shape[-1] != 1 or k2.group % 8 or k2.rotation.shape[0] > 256):
-        return None
-    # RVQ keys: the second stream under the first's scales and rotation: levels summed before the dots
-    k2_summed = k2 is not None and k2.scales is ka.scales and k2.rotation is ka.rotation and ka.levels is not None \
-        and ka.biases is None
-    if v2 is not None and (v2.scales is not va.scales or v2.rotation is not va.rotation or v2.levels is None
-                           or va.levels is None or va.tokens_last):
-        return None
+    ka, va, tail_args = args
     B, Hq, L, d = queries.shape
     H = ka.w.shape[1]
     if L != 1 or Hq % H or Hq // H > 16 or ka.w.shape[0] != B:
@@ -212,9 +237,7 @@ def decode_step(queries: mx.array, parts: Sequence, scale: float, sinks: Optiona
         q, ka.rotation, va.rotation, ka.w, ka.scales, ka.biases, ka.tokens_last, ka.bits, ka.group,
         va.w, va.scales, va.biases, va.tokens_last, va.bits, va.group, float(va.zero),
         ek.astype(mx.float32), ev.astype(mx.float32), ka.mean, va.mean, cmask, emask, s, ka.levels, va.levels,
-        *((k2.w, None, None, k2.levels, k2.bits) if k2_summed else
-          (k2.w, k2.scales, k2.rotation, k2.levels, k2.bits) if k2 is not None else (None,) * 4 + (0,)),
-        *((v2.w, v2.levels, v2.bits) if v2 is not None else (None, None, 0)))
+        *tail_args)
     out = out.reshape(B, Hq, 1, dv)
     return out if out.dtype == queries.dtype else out.astype(queries.dtype)
 

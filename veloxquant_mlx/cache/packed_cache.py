@@ -264,8 +264,14 @@ class TurboQuantPackedCache(_PackedFace):
         if self.empty():
             raise ValueError("attend_packed needs a cache holding tokens (call update_and_fetch first)")
         self._awaiting_attention = False
+        r = self.rows
+        if r.B == 1 and mask is None and type(queries) is mx.array and queries.ndim == 4 and \
+                queries.shape[0] == 1 and queries.shape[2] == 1 and queries.shape[3] == r.dims[0] and \
+                queries.shape[1] % r.heads == 0 and (sinks is None or sinks.size == queries.shape[1]):
+            # A decode step of one sequence (~30 per token): packed_attention's checks and bookkeeping skipped
+            return attend_one_query(queries, r.row_parts(0), scale, sinks)
         if not isinstance(queries, mx.array) or queries.ndim != 4 or queries.shape[0] == 1 or \
-                queries.shape[0] != self.rows.B:  # (one sequence; bad queries: packed_attention names them)
+                queries.shape[0] != r.B:  # (one sequence; bad queries: packed_attention names them)
             return packed_attention(queries, self.attention_parts(), scale, mask, sinks=sinks)
         B, Hq, L, d = queries.shape
         if isinstance(mask, mx.array):  # sequences in lockstep: fold them into the heads

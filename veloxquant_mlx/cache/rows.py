@@ -87,7 +87,7 @@ class RowCodes:
     @arrays.setter
     def arrays(self, value: Dict[str, mx.array]) -> None:
         self._arrays = value
-        self._folded = None  # (n, views) of `folded`: views of the arrays just replaced
+        self._views = {}  # `folded` / `row_view` views (and `Rows._coded_part` s) of the arrays just replaced
 
     def zeros(self, rows: int, tokens: int) -> Dict[str, mx.array]:
         out = {}
@@ -125,35 +125,34 @@ class RowCodes:
             self.capacity += n
             return
         self.reserve(rows, start + n)
-        self._folded = None
+        self._views = {}
         for f, a in codes.items():
             self.arrays[f][self._index(f, row, start, start + n)] = a
 
-    def put_rows(self, starts: Sequence[int], codes: Dict[str, mx.array]) -> None:
-        """Every row r gets its one block of ``codes`` (B rows) at slot ``starts[r]``: one scatter per field."""
-        first = column([s // self.block for s in starts])
-        self._folded = None
-        for f, a in codes.items():
-            axis, units, _, _ = self.layout[f]
-            shape = [1] * a.ndim
-            shape[axis] = units
-            idx = first.reshape([-1] + [1] * (a.ndim - 1)) * units + mx.arange(units, dtype=mx.int32).reshape(shape)
-            self.arrays[f] = mx.put_along_axis(self.arrays[f], mx.broadcast_to(idx, a.shape), a, axis=axis)
-
     def folded(self, n: int) -> Dict[str, mx.array]:
         """The first ``n`` slots of every row, folded to ``(1, B*H, ...)`` (views kept until the arrays change)."""
-        if self._folded is not None and self._folded[0] == n:
-            return self._folded[1]
-        arrays = {f: fold(a) for f, a in self.arrays.items()}
-        arrays = arrays if n == self.capacity else self.codec.slice_tokens(arrays, 0, n)
-        self._folded = (n, arrays)
-        return arrays
+        hit = self._views.get(n)
+        if hit is None:
+            self._bound_views()
+            hit = {f: fold(a) for f, a in self.arrays.items()}
+            hit = self._views[n] = hit if n == self.capacity else self.codec.slice_tokens(hit, 0, n)
+        return hit
+
+    def _bound_views(self) -> None:
+        if len(self._views) >= 8:  # (trims move the ranges without replacing the arrays)
+            self._views.clear()
 
     def row_view(self, i: int, start: int, stop: int) -> Dict[str, mx.array]:
-        """Row ``i``'s slots ``[start, stop)`` ``(1, H, ...)`` (views)."""
-        arrays = self.arrays if self.arrays[next(iter(self.arrays))].shape[0] == 1 else \
-            {f: a[i:i + 1] for f, a in self.arrays.items()}
-        return arrays if (start, stop) == (0, self.capacity) else self.codec.slice_tokens(arrays, start, stop)
+        """Row ``i``'s slots ``[start, stop)`` ``(1, H, ...)`` (views, the same objects until the arrays change)."""
+        key = (i, start, stop)
+        hit = self._views.get(key)
+        if hit is None:
+            self._bound_views()
+            arrays = self.arrays if self.arrays[next(iter(self.arrays))].shape[0] == 1 else \
+                {f: a[i:i + 1] for f, a in self.arrays.items()}
+            hit = self._views[key] = arrays if (start, stop) == (0, self.capacity) else \
+                self.codec.slice_tokens(arrays, start, stop)
+        return hit
 
     def row_live(self, i: int, pin: int, gone: int, coded: int) -> Dict[str, mx.array]:
         """Row ``i``'s live codes without the evicted hole, in their own memory (what a saved state holds)."""
@@ -485,7 +484,7 @@ class Rows:
                 if hi > lo:
                     kk, vv = (k, v) if (lo, hi) == (0, C) else (self.k_codec.slice_tokens(k, lo, hi),
                                                                 self.v_codec.slice_tokens(v, lo, hi))
-                    parts.append(CodedPart(self.k_codec, kk, self.v_codec, vv))
+                    parts.append(self._coded_part(self.k_codec, kk, self.v_codec, vv))
         if L:
             t = {n: fold(a) for n, a in self.tail.buffers.items()}
             if L < self.tail.capacity:
@@ -497,6 +496,20 @@ class Rows:
                 t = {n: a[:, :, old:] for n, a in t.items()}
             parts.append(ExactPart(t["k"], t["v"]))
         return parts
+
+    def _coded_part(self, k_codec, k_arrays, v_codec, v_arrays) -> CodedPart:
+        """The same `CodedPart` object while its codecs and code views are the same objects: decode steps between
+        two coded blocks reuse it, and what the compiled attention derives from it (`kernel.decode_step`). Kept
+        with the views, so it goes when the codes change (never holding superseded arrays alive)."""
+        key = ("part", id(k_arrays), id(v_arrays))
+        part = self.k_codes._views.get(key)
+        if part is None or part.k_arrays is not k_arrays or part.v_arrays is not v_arrays or \
+                part.k_codec is not k_codec or part.v_codec is not v_codec or self.v_codes._views.get(key) is not part:
+            part = CodedPart(k_codec, k_arrays, v_codec, v_arrays)
+            for store in (self.k_codes, self.v_codes):
+                store._bound_views()
+                store._views[key] = part
+        return part
 
     def _sink_part(self, S: int) -> ExactPart:
         """The sink's first ``S`` slots, folded; kept while the sink arrays are the same objects."""
@@ -542,8 +555,8 @@ class Rows:
         coded, gone = self.coded[i], self.gone[i]
         for lo, hi in ([(0, min(self.pin, coded)), (self.pin + gone, coded)] if gone else [(0, coded)]):
             if hi > lo:
-                parts.append(CodedPart(self.row_codec(0, i), self.k_codes.row_view(i, lo, hi),
-                                       self.row_codec(1, i), self.v_codes.row_view(i, lo, hi)))
+                parts.append(self._coded_part(self.row_codec(0, i), self.k_codes.row_view(i, lo, hi),
+                                              self.row_codec(1, i), self.v_codes.row_view(i, lo, hi)))
         if self.tail_n[i]:
             L = self.tail.length
             t = {n: a[:, :, L - self.tail_n[i]:L] if one else a[i:i + 1, :, L - self.tail_n[i]:L]
