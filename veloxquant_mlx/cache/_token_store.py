@@ -8,6 +8,7 @@ the sliding-window cache). It knows nothing about quantization.
 """
 from __future__ import annotations
 
+import copy
 from typing import Dict, Optional
 
 import mlx.core as mx
@@ -113,8 +114,9 @@ class TokenStore:
     def copy(self) -> "TokenStore":
         """An independent copy: later writes to either store do not show in the other."""
         new = TokenStore(self.step)
-        # mx.array(x) is a new array object, so slice assignment into one never reaches the other.
-        new.buffers = {name: mx.array(buf) for name, buf in self.buffers.items()}
+        # A new array object over the same data (no copy operation): slice assignment into one rebinds that object
+        # only, and MLX copies data still shared instead of writing into it.
+        new.buffers = {name: copy.copy(buf) for name, buf in self.buffers.items()}
         new.length = self.length
         return new
 

@@ -186,7 +186,7 @@ class RowCodes:
 
     def copy(self) -> "RowCodes":
         new = copy.copy(self)
-        new.arrays = {f: mx.array(a) for f, a in self.arrays.items()}  # new objects: in-place writes stay apart
+        new.arrays = {f: copy.copy(a) for f, a in self.arrays.items()}  # new objects, shared data (as TokenStore.copy)
         return new
 
     @property
@@ -589,7 +589,7 @@ class Rows:
             setattr(new, name, list(getattr(self, name)))
         new.tail, new._sink_views = self.tail.copy(), None
         if self.sink is not None:
-            new.sink = {n: mx.array(a) for n, a in self.sink.items()}
+            new.sink = {n: copy.copy(a) for n, a in self.sink.items()}
         if self.k_codes is not None:
             new.k_codes, new.v_codes = self.k_codes.copy(), self.v_codes.copy()
         return new
