@@ -582,6 +582,15 @@ inline float dot(const float* a, const float* b, int n) {
   return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
 }
 
+// `dot` for any n (the rotations: a plain loop is one dependent chain of n multiply-adds, which at a few hundred
+// tokens cost the kernel more than its tiles).
+inline float dot_any(const float* a, const float* b, int n) {
+  const int n8 = n / 8 * 8;
+  float acc = n8 ? dot(a, b, n8) : 0.0f;
+  for (int c = n8; c < n; ++c) acc += a[c] * b[c];
+  return acc;
+}
+
 // Scores of tokens [t0, t0 + nt) of head g for codes with groups along channels (per token): each token's codes
 // (or levels) decoded once into a row and dotted with every query row, the group's scale applied to the dot and
 // its bias through the row's per-group query sums qgs (R x d/group). ADD: adds to s instead of writing base + ...
@@ -712,17 +721,8 @@ void coded_task(const Problem& pr, int64_t g, int64_t t_begin, int64_t t_end, Pa
   float qmu[MAX_R];
   const float* qg = pr.q + g * R * d;
   for (int r = 0; r < R; ++r) {
-    for (int i = 0; i < d; ++i) {
-      float acc = 0.0f;
-      const float* row = pr.pk + i * d;
-      for (int j = 0; j < d; ++j) acc += row[j] * qg[r * d + j];
-      qr[r * d + i] = acc;
-    }
-    qmu[r] = 0.0f;
-    if (pr.kmu) {
-      const float* mu = pr.kmu + (g % pr.kmu_rows) * d;
-      for (int j = 0; j < d; ++j) qmu[r] += qg[r * d + j] * mu[j];
-    }
+    for (int i = 0; i < d; ++i) qr[r * d + i] = dot_any(pr.pk + i * d, qg + r * d, d);
+    qmu[r] = pr.kmu ? dot_any(qg + r * d, pr.kmu + (g % pr.kmu_rows) * d, d) : 0.0f;
   }
   const Codes &K = pr.k, &V = pr.v;
   // Per-group query sums (the biases of per-token key codes), and the second key stream's query (pk2 q).
@@ -737,12 +737,7 @@ void coded_task(const Problem& pr, int64_t g, int64_t t_begin, int64_t t_end, Pa
   if (pr.has_k2 && !pr.k2_summed) {
     const int m2 = pr.m2;
     for (int r = 0; r < R; ++r) {
-      for (int i = 0; i < m2; ++i) {
-        float acc = 0.0f;
-        const float* row = pr.pk2 + int64_t(i) * d;
-        for (int j = 0; j < d; ++j) acc += row[j] * qg[r * d + j];
-        q2[r * m2 + i] = acc;
-      }
+      for (int i = 0; i < m2; ++i) q2[r * m2 + i] = dot_any(pr.pk2 + int64_t(i) * d, qg + r * d, d);
       for (int k = 0; k < m2 / pr.k2.group; ++k) {
         float acc = 0.0f;
         for (int c = k * pr.k2.group; c < (k + 1) * pr.k2.group; ++c) acc += q2[r * m2 + c];
@@ -930,11 +925,13 @@ void solve(const Problem& pr) {
       }
       float* out = pr.out + (g * R + r) * dv;
       const float* vmu = pr.vmu ? pr.vmu + (g % pr.vmu_rows) * dv : nullptr;
-      for (int c = 0; c < dv; ++c) {
-        float acc = oex[c] + (vmu ? wc * vmu[c] : 0.0f);
-        for (int j = 0; j < dv; ++j) acc += orot[j] * pr.pv[j * dv + c];  // invert: y @ Pi
-        out[c] = acc / l;
+      float acc[MAX_D];
+      for (int c = 0; c < dv; ++c) acc[c] = oex[c] + (vmu ? wc * vmu[c] : 0.0f);
+      for (int j = 0; j < dv; ++j) {  // invert: y @ Pi, row by row (independent lanes, not one chain per output)
+        const float y = orot[j], *row = pr.pv + j * dv;
+        for (int c = 0; c < dv; ++c) acc[c] += y * row[c];
       }
+      for (int c = 0; c < dv; ++c) out[c] = acc[c] / l;
     }
   }
 }
