@@ -266,8 +266,9 @@ class TurboQuantPackedCache(_PackedFace):
         self._awaiting_attention = False
         r = self.rows
         if r.B == 1 and mask is None and type(queries) is mx.array and queries.ndim == 4 and \
-                queries.shape[0] == 1 and queries.shape[2] == 1 and queries.shape[3] == r.dims[0] and \
-                queries.shape[1] % r.heads == 0 and (sinks is None or sinks.size == queries.shape[1]):
+                queries.dtype in FLOAT_DTYPES and queries.shape[0] == 1 and queries.shape[2] == 1 and \
+                queries.shape[3] == r.dims[0] and queries.shape[1] % r.heads == 0 and \
+                (sinks is None or sinks.size == queries.shape[1]):
             # A decode step of one sequence (~30 per token): packed_attention's checks and bookkeeping skipped
             return attend_one_query(queries, r.row_parts(0), scale, sinks)
         if not isinstance(queries, mx.array) or queries.ndim != 4 or queries.shape[0] == 1 or \
