@@ -867,8 +867,7 @@ void exact_task(const Problem& pr, int64_t g, Partial& P) {
     int nt = int(std::min<int64_t>(TILE, pr.ne - t0));
     for (int r = 0; r < R; ++r)
       for (int tt = 0; tt < nt; ++tt) {
-        // eight partial sums: one dependent multiply-add chain of d per score cost more than the whole coded part
-        // at a few hundred tokens
+        // eight partial sums, not one dependent chain of d multiply-adds per score (the tail is read every step)
         const float acc = dot_any(qg + r * d, reinterpret_cast<const float*>(EK.row(t0 + tt)), d);
         s[r * TILE + tt] = (mask && !mask[t0 + tt]) ? NEG : acc;
       }
