@@ -482,6 +482,34 @@ inline void score_rows_avx(const float* qs, const float* base, const float* kt, 
     for (int j = 0; j < 4; ++j) _mm256_store_ps(s + r * TILE + 8 * j, acc[r][j]);
 }
 #define VQ_SCORE_ROWS score_rows_avx
+
+// score_rows_avx for a whole tile of 8-bit key codes with groups along tokens (row c: channel c's code of every
+// token, one byte each), converted in registers as they are scored: the tile is not written out as floats and read
+// back. Prefetches each row at byte ``prefetch_at`` (negative: none).
+template <int RB>
+inline void score_rows_u8_avx(const float* qs, const float* base, const View::Head& KW, int64_t t0, int d,
+                              int64_t prefetch_at, float* s) {
+  static_assert(TILE == 32, "32 one-byte codes per row: one 256-bit load");
+  __m256 acc[RB][4];
+#pragma GCC unroll 4
+  for (int r = 0; r < RB; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_set1_ps(base[r]);
+  for (int c = 0; c < d; ++c) {
+    const uint8_t* row = KW.row(c);
+    if (prefetch_at >= 0) __builtin_prefetch(row + prefetch_at);
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + t0));
+    const __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
+    const __m256 k0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)),
+                 k1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))),
+                 k2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)),
+                 k3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+#pragma GCC unroll 4
+    for (int r = 0; r < RB; ++r) fma4(acc[r], _mm256_broadcast_ss(qs + r * d + c), k0, k1, k2, k3);
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < RB; ++r)
+    for (int j = 0; j < 4; ++j) _mm256_store_ps(s + r * TILE + 8 * j, acc[r][j]);
+}
 #else
 #define VQ_SCORE_ROWS score_rows
 #endif
@@ -778,6 +806,7 @@ void coded_task(const Problem& pr, int64_t g, int64_t t_begin, int64_t t_end, Pa
   float base[MAX_R];
   const uint8_t* mask = pr.cmask ? pr.cmask + g * pr.n : nullptr;
   int64_t folded_block = -1;
+  bool scored = false;  // this tile's scores already written (8-bit keys scored from the codes)
   const auto KW = K.w.head(g), KS = K.scales.head(g), KB = K.biases.head(g);
   const auto VW = V.w.head(g), VS = V.scales.head(g), VB = V.biases.head(g);
   for (int64_t t0 = t_begin; t0 < t_end; t0 += TILE) {
@@ -800,6 +829,15 @@ void coded_task(const Problem& pr, int64_t g, int64_t t_begin, int64_t t_end, Pa
       // ahead, more streams than the hardware prefetchers follow.
       const int64_t ahead = ((t0 + PREFETCH_TILES * TILE) * K.bits) / 8;
       const bool pf = t0 + PREFETCH_TILES * TILE < t_end;
+#if defined(__AVX2__) && defined(__FMA__)
+      if (K.bits == 8 && nt == TILE && R <= ROW_BLOCK) {  // (the default's keys) scored straight from the codes
+        const int64_t at = pf ? ahead : -1;
+        if (R == 3) score_rows_u8_avx<3>(qs, base, KW, t0, d, at, s);
+        else if (R == 2) score_rows_u8_avx<2>(qs, base, KW, t0, d, at, s);
+        else score_rows_u8_avx<1>(qs, base, KW, t0, d, at, s);
+        scored = true;
+      } else
+#endif
       for (int c = 0; c < d; ++c) {
         if (pf) __builtin_prefetch(KW.row(c) + ahead);
         fields(KW.row(c), t0, nt, K.bits, kt + c * TILE);
@@ -807,7 +845,9 @@ void coded_task(const Problem& pr, int64_t g, int64_t t_begin, int64_t t_end, Pa
     } else if (K.tokens_last) {
       K.decode<true>(g, t0, nt, kt);
     }
-    if (K.tokens_last) {
+    if (scored) {
+      scored = false;
+    } else if (K.tokens_last) {
       if (nt < TILE)  // a last partial tile: zero the unused key slots so full-width loops read defined values
         for (int c = 0; c < d; ++c) std::fill(kt + c * TILE + nt, kt + (c + 1) * TILE, 0.0f);
       score_tile(R, fold_keys ? qs : qr, fold_keys ? base : qmu, kt, d, s);
