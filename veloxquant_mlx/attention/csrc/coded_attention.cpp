@@ -587,6 +587,35 @@ inline void weighted_rows_avx(const float* w, const float* x, int ldx, int nt, f
   if (c < c1) weighted_rows<RB>(w, x, ldx, nt, o, ldo, c, c1);
 }
 #define VQ_WEIGHTED_ROWS weighted_rows_avx
+
+// weighted_rows_avx over 4-bit codes with groups along channels (token tt's row: its dv codes, two per byte, low
+// nibble first), each code converted in registers as it is used: o[r * ldo + c] += sum_tt w[r * TILE + tt] *
+// code(tt, c) for c in [c0, c1), both multiples of 32. The values are not written out as floats and read back.
+template <int RB>
+inline void weighted_rows_u4_avx(const float* w, const View::Head& VW, int64_t t0, int nt, float* o, int ldo, int c0,
+                                 int c1) {
+  const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), nibble = _mm256_set1_epi32(15);
+  auto eight = [&](const uint8_t* q) {  // codes of 8 columns from 4 bytes
+    uint32_t u;
+    std::memcpy(&u, q, 4);
+    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(int(u)), shifts), nibble));
+  };
+  for (int c = c0; c + 32 <= c1; c += 32) {
+    __m256 acc[RB][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < RB; ++r)
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_loadu_ps(o + r * ldo + c + 8 * j);
+    for (int tt = 0; tt < nt; ++tt) {
+      const uint8_t* q = VW.row(t0 + tt) + c / 2;
+      const __m256 x0 = eight(q), x1 = eight(q + 4), x2 = eight(q + 8), x3 = eight(q + 12);
+#pragma GCC unroll 4
+      for (int r = 0; r < RB; ++r) fma4(acc[r], _mm256_broadcast_ss(w + r * TILE + tt), x0, x1, x2, x3);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < RB; ++r)
+      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(o + r * ldo + c + 8 * j, acc[r][j]);
+  }
+}
 #else
 #define VQ_WEIGHTED_ROWS weighted_rows
 #endif
@@ -799,6 +828,12 @@ void coded_task(const Problem& pr, int64_t g, int64_t t_begin, int64_t t_end, Pa
   const bool fold_keys = K.tokens_last && !K.levels && K.biases.base;
   // Values with groups along channels: each token's scale folds into its weight, its bias into a per-row sum.
   const bool fold_values = !V.tokens_last;
+  // 4-bit affine values of one row block (the default's) are weighted straight from their codes
+#if defined(__AVX2__) && defined(__FMA__)
+  const bool fused_values = fold_values && !pr.has_v2 && V.bits == 4 && !V.levels && R <= ROW_BLOCK && V.group % 32 == 0;
+#else
+  const bool fused_values = false;
+#endif
   alignas(64) float kt[MAX_D * TILE];   // keys, channel-major: kt[c * TILE + tt]
   alignas(64) float vt[TILE * MAX_D];   // values, token-major: vt[tt * dv + c]
   alignas(64) float s[MAX_R * TILE], w[MAX_R * TILE];
@@ -863,7 +898,8 @@ void coded_task(const Problem& pr, int64_t g, int64_t t_begin, int64_t t_end, Pa
     softmax_tile(P, R, nt, dv, s);
     if (fold_values) {
       int groups = dv / V.group;
-      for (int tt = 0; tt < nt; ++tt) V.values(VW.row(t0 + tt), 0, dv, vt + tt * dv);
+      if (!fused_values)
+        for (int tt = 0; tt < nt; ++tt) V.values(VW.row(t0 + tt), 0, dv, vt + tt * dv);
       if (pr.has_v2) {  // the second stream's levels add to the first's (same scales, same rotation)
         const auto V2W = pr.v2.w.head(g);
         alignas(64) float x2[MAX_D];
@@ -887,6 +923,14 @@ void coded_task(const Problem& pr, int64_t g, int64_t t_begin, int64_t t_end, Pa
           float* o = P.o + r * dv;
           for (int c = k * V.group; c < (k + 1) * V.group; ++c) o[c] += bsum;
         }
+#if defined(__AVX2__) && defined(__FMA__)
+        if (fused_values) {
+          if (R == 3) weighted_rows_u4_avx<3>(w, VW, t0, nt, P.o, dv, k * V.group, (k + 1) * V.group);
+          else if (R == 2) weighted_rows_u4_avx<2>(w, VW, t0, nt, P.o, dv, k * V.group, (k + 1) * V.group);
+          else weighted_rows_u4_avx<1>(w, VW, t0, nt, P.o, dv, k * V.group, (k + 1) * V.group);
+          continue;
+        }
+#endif
         weighted_tile(R, w, vt, dv, nt, P.o, dv, k * V.group, (k + 1) * V.group);
       }
     } else {
