@@ -38,8 +38,8 @@ def test_kernel_layouts_are_the_affine_ones():
 
 
 def _parts(codec: str, bits: int, n: int, *, B=1, H=2, R=3, d=64, exact=True, seed=0, group_size=None,
-           scale_dtype=None, **options):
-    o = CacheOptions(codec=codec, k_bits=bits, v_bits=bits, group_size=group_size, **options).layer_options()
+           scale_dtype=None, v_bits=None, **options):
+    o = CacheOptions(codec=codec, k_bits=bits, v_bits=v_bits or bits, group_size=group_size, **options).layer_options()
     kc, vc = CODECS[codec].make(o, d, d)
     if scale_dtype is not None:
         for c in (kc, vc):
@@ -99,6 +99,17 @@ def test_a_nan_score_gives_nan_not_a_silently_finite_output(codec):
 @pytest.mark.parametrize("codec", ["affine", "affine_block"])
 def test_parity_head_dims_and_gqa_groups(d, R, codec):
     q, parts = _parts(codec, 4, 256 if codec == "affine" else 128, d=d, R=R, seed=d)
+    _close(_kernel(q, parts, d ** -0.5), reference_one_query(q, parts, d ** -0.5))
+
+
+@pytest.mark.parametrize("R", [1, 2, 3, 4])
+@pytest.mark.parametrize("d", [64, 128])
+def test_parity_default_codes_per_gqa_group(R, d):
+    """The default's codes (8-bit block keys, 4-bit per-token values): for up to three query heads per KV head
+    whole tiles are scored and weighted straight from the codes, for more through decoded tiles; both equal the
+    reference."""
+    q, parts = _parts("affine_block", 8, 3 * 64, v_bits=4, d=d, R=R, seed=R + d)
+    assert parts[1].k_codec.bits == 8 and parts[1].v_codec.bits == 4
     _close(_kernel(q, parts, d ** -0.5), reference_one_query(q, parts, d ** -0.5))
 
 
