@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from veloxquant_mlx.attention import kernel
+from veloxquant_mlx.attention import kernel, packed_sdpa
 from veloxquant_mlx.attention.packed_sdpa import CodedPart, ExactPart, attend_one_query, reference_one_query
 from veloxquant_mlx.codecs import CODECS
 from veloxquant_mlx.options import CacheOptions
@@ -111,6 +111,45 @@ def test_parity_default_codes_per_gqa_group(R, d):
     q, parts = _parts("affine_block", 8, 3 * 64, v_bits=4, d=d, R=R, seed=R + d)
     assert parts[1].k_codec.bits == 8 and parts[1].v_codec.bits == 4
     _close(_kernel(q, parts, d ** -0.5), reference_one_query(q, parts, d ** -0.5))
+
+
+def _reference_chunk(q, parts, scale, sinks=None):
+    previous = kernel.set_enabled(False)
+    try:
+        return packed_sdpa.packed_attention(q, parts, scale, "causal", sinks=sinks)
+    finally:
+        kernel.set_enabled(previous)
+
+
+@pytest.mark.parametrize("codec,bits,v_bits", [("affine_block", 8, 4), ("affine", 4, None), ("lloyd_max", 3, None)])
+@pytest.mark.parametrize("R,L", [(3, 2), (3, 5), (3, 7), (1, 4), (4, 6)])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_parity_short_causal_chunk(codec, bits, v_bits, R, L, with_sinks):
+    """A short prompt chunk (the last L tokens stored, mlx_lm's causal mask) through the kernel: every coded token
+    visible, one causal mask row per (query head, query) on the exact tokens, in pieces of at most MAX_ROWS rows
+    (R=3, L=7: 5 + 2; R=4, L=6: 4 + 2); equal to the ops path, which packed_attention also takes."""
+    _, parts = _parts(codec, bits, 128, v_bits=v_bits, R=R, seed=L + R)
+    parts[-1] = ExactPart(*(mx.concatenate([a, a[:, :, :1] * 0.3], axis=2) for a in (parts[-1].keys, parts[-1].values)))
+    B, H, d = 1, 2, 64
+    q = mx.random.normal((B, H * R, L, d), key=mx.random.key(L)) * 2
+    sinks = mx.random.normal((H * R,), key=mx.random.key(3)) if with_sinks else None
+    out = packed_sdpa._short_chunk(q, parts, 0.125, sinks, R)
+    assert out is not None, "the kernel declined a short chunk it reads"
+    ref = _reference_chunk(q, parts, 0.125, sinks)
+    _close(out, ref)
+    _close(packed_sdpa.packed_attention(q, parts, 0.125, "causal", sinks=sinks), ref)
+
+
+def test_a_chunk_longer_than_the_exact_tail_is_left_to_the_ops_path():
+    """The kernel's chunk path needs the whole chunk in the last (exact) part: with 8 tail tokens a chunk of 9
+    queries is declined (some of them would see a token of the chunk as coded), and packed_attention stays right."""
+    q1, parts = _parts("affine_block", 8, 128, v_bits=4, R=3, seed=2)
+    assert parts[-1].length == 7
+    q = mx.random.normal((1, 6, 9, 64), key=mx.random.key(9))
+    assert kernel.decode_step(q, parts, 0.125, chunk=True) is None
+    assert kernel.decode_step(q[:, :, :5], parts, 0.125, chunk=True, later=4) is None
+    assert kernel.decode_step(q[:, :, :5], parts, 0.125, chunk=True, later=2) is not None
+    _close(packed_sdpa.packed_attention(q, parts, 0.125, "causal"), _reference_chunk(q, parts, 0.125))
 
 
 @pytest.mark.parametrize("codec", ["affine_block", "kblock_vsym", "kblock_vsym8", "affine", "lloyd_max"])

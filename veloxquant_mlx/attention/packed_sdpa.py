@@ -290,6 +290,10 @@ def _attend(queries, parts: List[Part], scale: float, mask, sinks, window_size, 
         if packed_rows is None:
             return attend_one_query(queries, parts, scale, sinks)
         parts, mask = _merge_exact(parts), None
+    if 1 < L <= QUERY_BLOCK and isinstance(mask, str) and window_size is None and packed_rows is None:
+        out = _short_chunk(queries, parts, scale, sinks, R)
+        if out is not None:
+            return out
     if isinstance(mask, mx.array):
         mask = _grouped_mask(mask, B, Hq, Hkv, L, N)
         if mask.dtype != mx.bool_:
@@ -305,6 +309,21 @@ def _attend(queries, parts: List[Part], scale: float, mask, sinks, window_size, 
     o = _softmax_values(scores, parts, sinks, mask is not None, Hkv, R, L, packed_rows, fused_exp)
     out = o.reshape(B, Hq, L, o.shape[-1])
     return out if out.dtype == queries.dtype else out.astype(queries.dtype)
+
+
+def _short_chunk(queries, parts, scale, sinks, R: int) -> Optional[mx.array]:
+    """A causal chunk of at most `QUERY_BLOCK` queries through the compiled kernel, in pieces of at most
+    ``kernel.MAX_ROWS`` query rows per KV head (each piece reads the codes again), or None (then the ops path)."""
+    L = queries.shape[2]
+    per = max(kernel.MAX_ROWS // R, 1)
+    outs = []
+    for l0 in range(0, L, per):
+        n = min(per, L - l0)
+        o = kernel.decode_step(queries[:, :, l0:l0 + n], parts, scale, sinks, chunk=True, later=L - l0 - n)
+        if o is None:
+            return None
+        outs.append(o)
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
 
 
 def _softmax_values(scores: List[mx.array], parts: Sequence[Part], sinks, masked: bool, Hkv: int, R: int, L: int,

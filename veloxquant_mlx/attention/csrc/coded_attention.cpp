@@ -421,6 +421,7 @@ struct Problem {
   int m2 = 0;
   View ek, ev;                                  // exact keys / values (B, H, ne, d) float32
   const uint8_t *cmask = nullptr, *emask = nullptr;
+  bool emask_rows = false;  // emask (G*R, ne): one per query row (a prompt chunk's causal tail), else (G, ne)
   const float* sinks = nullptr;  // (G, R), log2 units
   float* out = nullptr;
 };
@@ -944,13 +945,14 @@ void exact_task(const Problem& pr, int64_t g, Partial& P) {
   const int R = pr.R, d = pr.d, dv = pr.dv;
   init_partial(P, R, dv, false);
   const float* qg = pr.q + g * R * d;
-  const uint8_t* mask = pr.emask ? pr.emask + g * pr.ne : nullptr;
+  const uint8_t* mask_g = pr.emask ? pr.emask + g * (pr.emask_rows ? R : 1) * pr.ne : nullptr;
   const auto EK = pr.ek.head(g), EV = pr.ev.head(g);
   alignas(64) float s[MAX_R * TILE];
   for (int64_t t0 = 0; t0 < pr.ne; t0 += TILE) {
     int nt = int(std::min<int64_t>(TILE, pr.ne - t0));
     for (int r = 0; r < R; ++r)
       for (int tt = 0; tt < nt; ++tt) {
+        const uint8_t* mask = mask_g && pr.emask_rows ? mask_g + r * pr.ne : mask_g;
         // eight partial sums, not one dependent chain of d multiply-adds per score (the tail is read every step)
         const float acc = dot_any(qg + r * d, reinterpret_cast<const float*>(EK.row(t0 + tt)), d);
         s[r * TILE + tt] = (mask && !mask[t0 + tt]) ? NEG : acc;
@@ -1155,6 +1157,7 @@ void CodedDecodeAttention::eval_cpu(const std::vector<array>& inputs, array& out
     }
     pr.cmask = cmask ? cmask->data<uint8_t>() : nullptr;
     pr.emask = emask ? emask->data<uint8_t>() : nullptr;
+    pr.emask_rows = emask && emask->shape(0) != pr.G;
     pr.sinks = sinks ? sinks->data<float>() : nullptr;
     pr.out = out.data<float>();
     solve(pr);
@@ -1238,8 +1241,9 @@ array coded_decode_attention(const array& q, const array& pk, const array& pv, c
   };
   require(mu_ok(kmu, d) && mu_ok(vmu, dv), "means must be float32 (rows dividing B*H, d)");
   require(!cmask || (cmask->dtype() == bool_ && cmask->shape() == Shape{int(G), int(n)}), "cmask must be bool (B*H, n)");
-  require(!emask || (emask->dtype() == bool_ && emask->shape() == Shape{int(G), int(ne)}),
-          "emask must be bool (B*H, ne)");
+  require(!emask || (emask->dtype() == bool_ && (emask->shape() == Shape{int(G), int(ne)} ||
+                                                  emask->shape() == Shape{int(G * R), int(ne)})),
+          "emask must be bool (B*H, ne), or one row per query row (B*H*R, ne)");
   require(!sinks || (sinks->dtype() == float32 && sinks->shape() == Shape{int(G), R}), "sinks must be float32 (B*H, R)");
   auto lev_ok = [](const std::optional<array>& l, int bits) {
     return !l || (l->dtype() == float32 && l->ndim() == 1 && l->shape(0) == (1 << bits));
