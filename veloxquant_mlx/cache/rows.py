@@ -598,6 +598,14 @@ class Rows:
 # -- rows in, rows out: what merge / extend / filter / extract / trim and saved states are made of ------------
 def take_rows(rows: Rows, idx: Sequence[int]) -> Rows:
     """A new `Rows` of the sequences ``idx`` (in that order), in its own memory."""
+    if rows.dims is not None and list(idx) == list(range(rows.B)):
+        # Every row in order (a served batch of one: extract and filter, once per request each): a copy, no gather
+        # of every array (2.8 instead of 0.4 ms for 30 layers at 200 tokens), the same slots kept.
+        out = rows.copy()
+        for store in (out.k_codes, out.v_codes):
+            store.truncate(max(out.coded))
+        out.drop_tail_padding()
+        return out
     out = Rows(rows.options, len(idx), rows.window)
     for name in COUNTS + ("fitted",):
         setattr(out, name, [getattr(rows, name)[i] for i in idx])
