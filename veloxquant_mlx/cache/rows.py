@@ -565,7 +565,7 @@ class Rows:
             if old:
                 kc, vc = self.row_codec(0, i), self.row_codec(1, i)
                 parts.append(CodedPart(kc, kc.encode(t["k"][:, :, :old]), vc, vc.encode(t["v"][:, :, :old])))
-            parts.append(ExactPart(t["k"][:, :, old:], t["v"][:, :, old:]))
+            parts.append(ExactPart(t["k"][:, :, old:], t["v"][:, :, old:]) if old else ExactPart(t["k"], t["v"]))
         return parts
 
     # -- bytes and copies -----------------------------------------------------------------------------
