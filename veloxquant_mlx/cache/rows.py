@@ -597,10 +597,11 @@ class Rows:
 
 # -- rows in, rows out: what merge / extend / filter / extract / trim and saved states are made of ------------
 def take_rows(rows: Rows, idx: Sequence[int]) -> Rows:
-    """A new `Rows` of the sequences ``idx`` (in that order), in its own memory."""
-    if rows.dims is not None and list(idx) == list(range(rows.B)):
-        # Every row in order (a served batch of one: extract and filter, once per request each): a copy, no gather
-        # of every array (2.8 instead of 0.4 ms for 30 layers at 200 tokens), the same slots kept.
+    """A new `Rows` of the sequences ``idx`` (in that order), independent of ``rows`` (later writes to either do not
+    show in the other), holding only the slots its tokens need."""
+    if rows.dims is not None and idx and list(idx) == list(range(rows.B)):
+        # Every row in order (a served batch of one: extract and filter, once per request each): a copy, not a
+        # gather of every array (mlx_lm's extract: 0.87 instead of 2.78 ms for 30 layers at 200 tokens).
         out = rows.copy()
         for store in (out.k_codes, out.v_codes):
             store.truncate(max(out.coded))

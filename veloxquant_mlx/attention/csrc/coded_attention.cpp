@@ -842,11 +842,11 @@ void coded_task(const Problem& pr, int64_t g, int64_t t_begin, int64_t t_end, Pa
   float base[MAX_R];
   const uint8_t* mask = pr.cmask ? pr.cmask + g * pr.n : nullptr;
   int64_t folded_block = -1;
-  bool scored = false;  // this tile's scores already written (8-bit keys scored from the codes)
   const auto KW = K.w.head(g), KS = K.scales.head(g), KB = K.biases.head(g);
   const auto VW = V.w.head(g), VS = V.scales.head(g), VB = V.biases.head(g);
   for (int64_t t0 = t_begin; t0 < t_end; t0 += TILE) {
     int nt = int(std::min<int64_t>(TILE, t_end - t0));
+    bool scored = false;  // this tile's scores already written (8-bit keys scored from the codes)
     if (fold_keys) {
       int64_t blk = t0 / K.group;
       if (blk != folded_block) {  // a new block: its per-channel scales into the queries, biases into base
@@ -881,13 +881,11 @@ void coded_task(const Problem& pr, int64_t g, int64_t t_begin, int64_t t_end, Pa
     } else if (K.tokens_last) {
       K.decode<true>(g, t0, nt, kt);
     }
-    if (scored) {
-      scored = false;
-    } else if (K.tokens_last) {
+    if (K.tokens_last && !scored) {
       if (nt < TILE)  // a last partial tile: zero the unused key slots so full-width loops read defined values
         for (int c = 0; c < d; ++c) std::fill(kt + c * TILE + nt, kt + (c + 1) * TILE, 0.0f);
       score_tile(R, fold_keys ? qs : qr, fold_keys ? base : qmu, kt, d, s);
-    } else {
+    } else if (!K.tokens_last) {
       score_tokens<false>(K, g, R, qr, qgs, qmu, t0, nt, s, pr.k2_summed ? &pr.k2 : nullptr);
     }
     if (signs) score_sign_tokens(pr.k2, g, R, sign_tables.data(), t0, nt, s);
