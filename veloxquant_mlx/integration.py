@@ -278,12 +278,16 @@ def attention_is_routable(model) -> bool:
     ``mx.fast.scaled_dot_product_attention`` directly (deepseek_v41, muse_spark, plamo2 in mlx_lm 0.32). Only then
     may caches return placeholders to it.
     """
-    targets = (getattr(mlx_base, _NAME, None), packed_scaled_dot_product_attention)
     names = {type(model).__module__}
     if callable(getattr(model, "modules", None)):
         names.update(type(m).__module__ for m in model.modules())
     names = {n for n in names if n.startswith("mlx_lm.models.") and n not in ("mlx_lm.models.base",)}
-    holders = [n for n in names if getattr(sys.modules.get(n), _NAME, None) in targets]
+    # Under the lock: install / uninstall patch the modules one at a time, and a view taken half-way (base patched,
+    # the model's file not yet) said "not routable", so another thread's caches were built without routing.
+    with _lock:
+        targets = (_original if _depth else getattr(mlx_base, _NAME, None), packed_scaled_dot_product_attention)
+        holders = [n for n in names if getattr(sys.modules.get(n), _NAME, None) in targets]
+    _drain()  # releases a finalizer queued while this thread held the lock
     return bool(holders) and not any(_calls_fast_sdpa_directly(n) for n in names)
 
 
