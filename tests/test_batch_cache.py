@@ -637,3 +637,27 @@ def test_a_configuration_first_used_in_one_thread_works_in_another(name):
     t.start()
     t.join()
     assert not errors, errors
+
+
+def test_a_decoding_batch_keeps_its_exact_tail_bounded():
+    """Rows code their blocks on different steps; the tail slots that are padding in every row are dropped a code
+    step at a time (not at every coded block: one copy of the whole tail each), so the tail never holds more
+    than each row's waiting tokens plus less than one step of padding, and attention is unchanged by it."""
+    from veloxquant_mlx.cache.rows import TAIL_STEP
+
+    options = CONFIGS["affine_block-k8v4"]
+    alone, batch, diffs = _run_cache_level(options, (5, 61, 30), decode_steps=0)
+    rows = batch.rows
+    bound = rows.exact_keep + 2 * rows.code_step + TAIL_STEP  # (waiting < keep + step, padding < step, growth)
+    rng = np.random.default_rng(3)
+    with use_packed_attention():
+        for t in range(200):
+            k = mx.array(rng.standard_normal((3, H, 1, D)), mx.float32)
+            batch.update_and_fetch(k, k)
+            for c, i in zip(alone, range(3)):
+                c.update_and_fetch(k[i:i + 1], k[i:i + 1])
+            q = mx.array(rng.standard_normal((3, 2 * H, 1, D)), mx.float32)
+            got = batch.attend_packed(q, D ** -0.5, None)
+            want = mx.concatenate([c.attend_packed(q[i:i + 1], D ** -0.5, None) for i, c in enumerate(alone)])
+            assert mx.abs(got - want).max().item() < 1e-5, t
+            assert rows.tail.capacity <= bound, (t, rows.tail.length, rows.tail_n)

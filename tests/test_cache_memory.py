@@ -80,3 +80,34 @@ def test_layers_share_one_rotation():
         make_rotation(D, -1)
     with pytest.raises(ValueError, match="rotation kind"):
         make_rotation(D, 0, "qr")
+
+
+@pytest.mark.parametrize("config", ["tq-affine-k8v4", "tq-mse-k4v4"])
+def test_a_row_extracted_from_a_batch_holds_only_its_own_memory(config):
+    """mlx_lm's `extract` hands a finished request's row to the prompt cache while the batch goes on: the row must
+    be a copy of its own slots, never a view keeping the whole batch's buffers alive after the batch is gone."""
+    from veloxquant_mlx.cache.packed_cache import TurboQuantBatchPackedCache
+    from veloxquant_mlx.eval.specs import CONFIGURATIONS
+
+    lengths = [700, 90, 1500]
+    T = max(lengths)
+
+    def extracted():
+        kv = mx.random.normal((3, H, T, D), key=mx.random.key(len(lengths)))
+        batch = TurboQuantBatchPackedCache(CONFIGURATIONS[config], 3)
+        with vq.use_packed_attention():
+            batch.prepare(lengths=lengths, right_padding=[T - n for n in lengths])
+            batch.update_and_fetch(kv, kv)
+            batch.finalize()
+            for t in range(70):  # rows code their blocks on different steps
+                k = mx.random.normal((3, H, 1, D), key=mx.random.key(t))
+                batch.update_and_fetch(k, k)
+        out = batch.extract(1)
+        mx.eval(_arrays(out))
+        return [out]
+
+    for _ in range(2):
+        extracted()
+    held, reported = _held_by(extracted)
+    assert reported > 0
+    assert held <= reported + SLACK, f"{config}: deleting the extracted row freed {held} bytes, {reported} reported"

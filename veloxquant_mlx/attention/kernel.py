@@ -143,6 +143,27 @@ def _row_mask(m: Optional[mx.array], B: int, H: int, n: int) -> Optional[mx.arra
     return mx.contiguous(mx.broadcast_to(m.reshape(shape), (B, H, 1, n)).reshape(B * H, n))
 
 
+_last_masks = (None, None, None)  # (key, the masks it was made from, (coded mask, exact mask)): `_kernel_masks`
+
+
+def _kernel_masks(cm, exact, B: int, H: int, n: int):
+    """The kernel's bool masks ``(B*H, n)`` of the coded part and ``(B*H, exact tokens)`` of the exact parts (or
+    None) from the parts' masks. A batch hands every layer of a decode step the same mask objects: made once
+    per step, not once per layer (two to four MLX operations each)."""
+    global _last_masks
+    given = (cm, *(m for _, m in exact))
+    key = (B, H, n, tuple(p.length for p, _ in exact), tuple(map(id, given)))
+    last_key, last_given, made = _last_masks
+    if last_key == key and all(a is b for a, b in zip(last_given, given)):
+        return made
+    cmask, emask = _row_mask(cm, B, H, n), None
+    if any(m is not None for _, m in exact):
+        emask = mx.concatenate([_row_mask(m, B, H, p.length) if m is not None else
+                                mx.ones((B * H, p.length), dtype=mx.bool_) for p, m in exact], axis=1)
+    _last_masks = (key, given, (cmask, emask))  # (one tuple, replaced whole: other threads see old or new)
+    return cmask, emask
+
+
 def _coded_arguments(coded, mod):
     """``(key codes, value codes, second-stream arguments)`` of a coded part as the kernel reads them, or None when
     it cannot. Kept on the part (with the arrays it was derived from): a cache hands the same part to every
@@ -237,19 +258,14 @@ def decode_step(queries: mx.array, parts: Sequence, scale: float, sinks: Optiona
     if d > 256 or dv > 256:  # the kernel's tile buffers hold head dims up to 256
         return None
     try:
-        cmask = _row_mask(cm, B, H, n)
-        if exact:
-            ek = exact[0][0].keys if len(exact) == 1 else mx.concatenate([p.keys for p, _ in exact], axis=2)
-            ev = exact[0][0].values if len(exact) == 1 else mx.concatenate([p.values for p, _ in exact], axis=2)
-            given = [m for _, m in exact if m is not None]
-            emask = None
-            if given:
-                emask = mx.concatenate([_row_mask(m, B, H, p.length) if m is not None else
-                                        mx.ones((B * H, p.length), dtype=mx.bool_) for p, m in exact], axis=1)
-        else:
-            ek, ev, emask = mx.zeros((B, H, 0, d)), mx.zeros((B, H, 0, dv)), None
+        cmask, emask = _kernel_masks(cm, exact, B, H, n) if masks is not None else (None, None)
     except LookupError:
         return None
+    if exact:
+        ek = exact[0][0].keys if len(exact) == 1 else mx.concatenate([p.keys for p, _ in exact], axis=2)
+        ev = exact[0][0].values if len(exact) == 1 else mx.concatenate([p.values for p, _ in exact], axis=2)
+    else:
+        ek, ev = mx.zeros((B, H, 0, d)), mx.zeros((B, H, 0, dv))
     if chunk:  # rows ordered (query head r, query l) within each KV head
         emask = _causal_rows(R, L, ek.shape[2], B * H, later)
     # log2 units: the softmax is 2**s

@@ -83,13 +83,19 @@ class TokenStore:
             # no empty part) and keep every old buffer alive until the next append.
             self.buffers, self.length = {}, 0
             return
+        # Room for the next tokens kept (whole steps, as `append` grows): a store sized exactly to its tokens
+        # is copied again by the next append (a batch's tail: twice per coded block).
+        length = self.length - (stop - start)
+        spare = _round_up(length + 1, self.step) - length
         self.buffers = {
             name: mx.concatenate(
-                [buf[:, :, :start], buf[:, :, stop : self.length]], axis=TOKEN_AXIS
+                [buf[:, :, :start], buf[:, :, stop : self.length],
+                 mx.zeros(buf.shape[:TOKEN_AXIS] + (spare,) + buf.shape[TOKEN_AXIS + 1:], buf.dtype)],
+                axis=TOKEN_AXIS,
             )
             for name, buf in self.buffers.items()
         }
-        self.length -= stop - start
+        self.length = length
 
     # -- reading -----------------------------------------------------------------------------
     @property

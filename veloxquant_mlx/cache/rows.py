@@ -176,14 +176,6 @@ class RowCodes:
             kept = self.codec.slice_tokens(self.arrays, 0, cap) if cap else {}
             self.arrays, self.capacity = {f: mx.contiguous(a) for f, a in kept.items()}, cap
 
-    def taken(self, rows: mx.array, keep: int) -> "RowCodes":
-        """A new store of rows ``rows`` (in that order) with the slots that hold their tokens."""
-        new = RowCodes(self.codec, self.layout, self.grow)
-        if self.arrays:
-            new.arrays, new.capacity = {f: a[rows] for f, a in self.arrays.items()}, self.capacity
-            new.truncate(keep)
-        return new
-
     def copy(self) -> "RowCodes":
         new = copy.copy(self)
         new.arrays = {f: copy.copy(a) for f, a in self.arrays.items()}  # new objects, shared data (as TokenStore.copy)
@@ -293,6 +285,8 @@ class Rows:
         if lead is None and T == 1 and self.code_step > 1 and self.B and min(self.sink_n) >= o.sink \
                 and not self.window and (self.block > 1 or all(self.fitted)):  # (per-token codecs fit on arrival)
             # A decode step (~30 per token): every row's one token joins its tail, without the bookkeeping below.
+            if self.B > 1 and self.tail.length == self.tail.capacity:
+                self.drop_tail_padding()  # (deferred by `_code_tail`: the copy a full store makes anyway)
             self.tail.append({"k": keys, "v": values})
             self.tail_n = [t + 1 for t in self.tail_n]
             if max(self.tail_n) >= self.exact_keep + self.code_step:  # some row has a step to code
@@ -373,12 +367,15 @@ class Rows:
                 self._write(i, view["k"][sl], view["v"][sl])
         self.coded = [c + n for c, n in zip(self.coded, n_code)]
         self.tail_n = [t - n for t, n in zip(self.tail_n, n_code)]
-        self.drop_tail_padding()
+        # A batch's rows code at their own steps: dropping every few slots of padding at once (one copy of the
+        # whole tail per coded block) cost more than attending them masked; at most a step of them waits.
+        self.drop_tail_padding(1 if self.B == 1 else step)
 
-    def drop_tail_padding(self) -> None:
-        """Forget tail slots that are padding in every row (one copy of the small tail)."""
+    def drop_tail_padding(self, at_least: int = 1) -> None:
+        """Forget tail slots that are padding in every row, when there are ``at_least`` (one copy of the small
+        tail)."""
         pad = min(self.tail.length - t for t in self.tail_n) if self.B else 0
-        if pad > 0:
+        if pad >= max(at_least, 1):
             self.tail.delete(0, pad)
 
     def evict(self, limits) -> None:
@@ -613,21 +610,33 @@ def take_rows(rows: Rows, idx: Sequence[int]) -> Rows:
     if rows.dims is None or not idx:
         return out
     out.setup(*rows.dims, rows.heads)
-    r = mx.array(list(idx), dtype=mx.int32)
+    return _take(rows, list(idx), out)
+
+
+def _take(rows: Rows, idx: List[int], out: Rows) -> Rows:
+    """`take_rows` into ``out`` (set up, counts copied): the slots the rows ``idx`` need, sliced, then gathered:
+    one copy of each array (mlx_lm's `extract` and `filter`, once per finished request; a gather of whole rows
+    then a truncation and a padding drop copied up to three times)."""
+    # A gather always writes a buffer of its own (`mx.contiguous` of a row slice may keep the batch's alive).
+    r = mx.array(idx, dtype=mx.int32)
+    own = lambda a: mx.take(a, r, axis=0)  # noqa: E731
     if rows.sink is not None:
-        out.sink = {n: a[r] for n, a in rows.sink.items()}
-    out.k_codes, out.v_codes = (s.taken(r, max(out.coded)) for s in (rows.k_codes, rows.v_codes))
-    if rows.tail.length:
-        out.tail.load({n: a[r] for n, a in rows.tail.view().items()})
-        out.drop_tail_padding()
+        out.sink = {n: own(a) for n, a in rows.sink.items()}
+    for src, dst in ((rows.k_codes, out.k_codes), (rows.v_codes, out.v_codes)):
+        cap = min(_round_up(max(out.coded), src.grow), src.capacity)
+        if cap:
+            kept = src.arrays if cap == src.capacity else src.codec.slice_tokens(src.arrays, 0, cap)
+            dst.arrays, dst.capacity = {f: own(a) for f, a in kept.items()}, cap
+    L, n = rows.tail.length, max(out.tail_n)
+    if n:  # right-aligned: the rows' tails are the last n slots
+        out.tail.load({k: own(a[:, :, L - n:L]) for k, a in rows.tail.buffers.items()})
     H = rows.heads
     fold_rows = (r[:, None] * H + mx.arange(H, dtype=mx.int32)[None]).reshape(-1)
     for which in (0, 1):
         arrays = (rows.k_codec, rows.v_codec)[which].fitted_arrays()
-        codec = out.unfitted(which, out.B)
         if arrays and (out.B > 1 or out.fitted[0]):
-            codec = rows.base[which].with_fitted({n: a[fold_rows] for n, a in arrays.items()})
-        out.k_codec, out.v_codec = (codec, out.v_codec) if which == 0 else (out.k_codec, codec)
+            codec = rows.base[which].with_fitted({k: mx.take(a, fold_rows, axis=0) for k, a in arrays.items()})
+            out.k_codec, out.v_codec = (codec, out.v_codec) if which == 0 else (out.k_codec, codec)
     return out
 
 
@@ -636,6 +645,10 @@ def concat_rows(parts: Sequence[Rows]) -> Rows:
     right-aligned); ``parts`` are unchanged."""
     parts = [p for p in parts if p.B]
     first = parts[0]
+    if len(parts) == 1:
+        # One sequence (mlx_lm merges a served request's cache alone: once per request): new objects over the
+        # same data (copy-on-write, as `Rows.copy`), not a copy of every array (7.9 instead of ~1 ms, 30 layers).
+        return first.copy()
     out = Rows(first.options, sum(p.B for p in parts), first.window)
     for name in COUNTS + ("fitted",):
         setattr(out, name, [x for p in parts for x in getattr(p, name)])
@@ -660,15 +673,15 @@ def concat_rows(parts: Sequence[Rows]) -> Rows:
 
     cat = lambda xs: xs[0] if len(xs) == 1 else mx.concatenate(xs, axis=0)  # noqa: E731
     if S and any(p.sink is not None for p in filled):
-        out.sink = {n: mx.array(cat([exact(p, n, d, S, False) for p in parts])) for n, d in zip("kv", dims)}
+        out.sink = {n: cat([exact(p, n, d, S, False) for p in parts]) for n, d in zip("kv", dims)}
     if L:
-        out.tail.load({n: mx.array(cat([exact(p, n, d, L, True) for p in parts])) for n, d in zip("kv", dims)})
+        out.tail.load({n: cat([exact(p, n, d, L, True) for p in parts]) for n, d in zip("kv", dims)})
     for name in ("k_codes", "v_codes"):
         store = getattr(out, name)
         cap = max(getattr(p, name).capacity if p.dims is not None else 0 for p in parts)
         if cap:
             pieces = [getattr(p, name).padded(p.B, cap) if p.dims is not None else store.zeros(p.B, cap) for p in parts]
-            store.arrays = {f: mx.array(cat([x[f] for x in pieces])) for f in store.layout}
+            store.arrays = {f: cat([x[f] for x in pieces]) for f in store.layout}
             store.capacity = cap
     for which in (0, 1):
         if out.B == 1:
