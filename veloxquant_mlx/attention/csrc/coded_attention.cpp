@@ -640,6 +640,51 @@ inline float dot(const float* a, const float* b, int n) {
   return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
 }
 
+// out[r] = dot(q + r * ldq, x, n) for r < R (n a multiple of 8), x loaded once for up to three rows (token-by-token
+// key scoring dotted every row with the token's decoded codes one row at a time); the lanes summed pairwise.
+#if defined(__AVX2__) && defined(__FMA__)
+template <int RB>
+inline void dots_avx(const float* q, int ldq, const float* x, int n, float* out) {
+  __m256 a[RB];
+  for (int r = 0; r < RB; ++r) a[r] = _mm256_setzero_ps();
+  for (int c = 0; c < n; c += 8) {
+    const __m256 xv = _mm256_loadu_ps(x + c);
+    for (int r = 0; r < RB; ++r) a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * ldq + c), xv, a[r]);
+  }
+  // the rows' horizontal sums together: two pairwise additions within 128-bit lanes, then the two lanes
+  const __m256 h01 = _mm256_hadd_ps(a[0], RB > 1 ? a[1] : a[0]);
+  const __m256 h2 = _mm256_hadd_ps(RB > 2 ? a[2] : a[0], RB > 2 ? a[2] : a[0]);
+  const __m256 h = _mm256_hadd_ps(h01, h2);  // lane j (of each 128-bit half): row j's partial sum (j = 3: row 2)
+  alignas(16) float t[4];
+  _mm_store_ps(t, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+  for (int r = 0; r < RB; ++r) out[r] = t[r];
+}
+
+// Eight tokens' dots with one query row: lane i of the result is sum_c q[c] * xb[i * d + c] (xb: eight decoded
+// token rows, d a multiple of 8): eight accumulators, then one transposing reduction instead of eight.
+inline __m256 dots8_avx(const float* q, const float* xb, int d) {
+  __m256 a[8];
+  for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+  for (int c = 0; c < d; c += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + c);
+    for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(_mm256_load_ps(xb + i * d + c), qv, a[i]);
+  }
+  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+#endif
+
+inline void row_dots(const float* q, int ldq, const float* x, int n, int R, float* out) {
+  int r = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  for (; r + 3 <= R; r += 3) dots_avx<3>(q + r * ldq, ldq, x, n, out + r);
+  if (R - r == 2) dots_avx<2>(q + r * ldq, ldq, x, n, out + r), r += 2;
+  if (R - r == 1) dots_avx<1>(q + r * ldq, ldq, x, n, out + r), r += 1;
+#endif
+  for (; r < R; ++r) out[r] = dot(q + r * ldq, x, n);
+}
+
 // `dot` for any n (the rotations: a plain loop is one dependent chain of n multiply-adds, which at a few hundred
 // tokens cost the kernel more than its tiles).
 inline float dot_any(const float* a, const float* b, int n) {
@@ -675,7 +720,31 @@ void score_tokens(const Codes& C, int64_t g, int R, const float* qc, const float
   const auto W2 = summed ? summed->w.head(g) : View::Head{nullptr, 0};
   const bool affine = C.biases.base || C.zero != 0.0f;
   alignas(64) float x[MAX_D], x2[MAX_D];
-  for (int tt = 0; tt < nt; ++tt) {
+  int tt = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (!ADD && groups == 1 && !affine && d % 8 == 0) {  // one scale per token, no bias (codebook keys): 8 at a time
+    alignas(64) float xb[8 * MAX_D];
+    for (; tt + 8 <= nt; tt += 8) {
+      alignas(32) float sc8[8];
+      for (int i = 0; i < 8; ++i) {
+        const int64_t t = t0 + tt + i;
+        float* xi = xb + i * d;
+        C.values(W.row(t), 0, d, xi);
+        if (summed) {
+          summed->values(W2.row(t), 0, d, x2);
+          for (int c = 0; c < d; ++c) xi[c] += x2[c];
+        }
+        sc8[i] = load_scale(S.row(t), C.dtype, 0);
+      }
+      const __m256 scv = _mm256_load_ps(sc8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 dots = dots8_avx(qc + r * d, xb, d);
+        _mm256_storeu_ps(s + r * TILE + tt, _mm256_fmadd_ps(scv, dots, _mm256_set1_ps(base[r])));
+      }
+    }
+  }
+#endif
+  for (; tt < nt; ++tt) {
     const int64_t t = t0 + tt;
     C.values(W.row(t), 0, d, x);
     if (summed) {
@@ -686,8 +755,9 @@ void score_tokens(const Codes& C, int64_t g, int R, const float* qc, const float
     for (int r = 0; r < R; ++r) acc[r] = ADD ? s[r * TILE + tt] : base[r];
     for (int k = 0; k < groups; ++k) {
       const float sc = load_scale(S.row(t), C.dtype, k);
-      const float* xk = x + k * grp;
-      for (int r = 0; r < R; ++r) acc[r] += sc * dot(qc + r * d + k * grp, xk, grp);
+      float dk[MAX_R];
+      row_dots(qc + k * grp, d, x + k * grp, grp, R, dk);
+      for (int r = 0; r < R; ++r) acc[r] += sc * dk[r];
       if (affine) {
         const float bc = C.biases.base ? load_scale(Bh.row(t), C.dtype, k) : -C.zero * sc;
         for (int r = 0; r < R; ++r) acc[r] += bc * qgs[r * groups + k];
@@ -715,6 +785,19 @@ void build_sign_tables(const float* q, int R, int m, const float* levels, float*
 }
 
 // s[r * TILE + tt] += scale_t * sum_j lut_r[j][byte j of token t] for tokens [t0, t0 + nt) of head g.
+// Rows in blocks of up to three, their sums interleaved: each row's sum is a chain of dependent additions, and
+// one chain at a time waited on every addition's latency.
+template <int RB>
+inline void sign_rows(const uint8_t* bytes, int nb, const float* lut, float sc, float* s, int tt) {
+  float acc[RB];
+  for (int r = 0; r < RB; ++r) acc[r] = 0.0f;
+  for (int j = 0; j < nb; ++j) {
+    const int b = j * 256 + bytes[j];
+    for (int r = 0; r < RB; ++r) acc[r] += lut[int64_t(r) * nb * 256 + b];
+  }
+  for (int r = 0; r < RB; ++r) s[r * TILE + tt] += sc * acc[r];
+}
+
 void score_sign_tokens(const Codes& C, int64_t g, int R, const float* lut, int64_t t0, int nt, float* s) {
   const int nb = C.d / 8;
   const auto W = C.w.head(g), S = C.scales.head(g);
@@ -722,12 +805,9 @@ void score_sign_tokens(const Codes& C, int64_t g, int R, const float* lut, int64
     const int64_t t = t0 + tt;
     const uint8_t* bytes = W.row(t);
     const float sc = load_scale(S.row(t), C.dtype, 0);
-    for (int r = 0; r < R; ++r) {
-      const float* T = lut + int64_t(r) * nb * 256;
-      float acc = 0.0f;
-      for (int j = 0; j < nb; ++j) acc += T[j * 256 + bytes[j]];
-      s[r * TILE + tt] += sc * acc;
-    }
+    int r = 0;
+    for (; r + 3 <= R; r += 3) sign_rows<3>(bytes, nb, lut + int64_t(r) * nb * 256, sc, s + r * TILE, tt);
+    for (; r < R; ++r) sign_rows<1>(bytes, nb, lut + int64_t(r) * nb * 256, sc, s + r * TILE, tt);
   }
 }
 
