@@ -35,5 +35,7 @@ class BuildKernel(build_ext):
                   "Rebuild later with: python -m veloxquant_mlx.attention.build_kernel", file=sys.stderr)
 
 
-setup(ext_modules=[Extension(KERNEL, sources=["veloxquant_mlx/attention/csrc/coded_attention.cpp"])],
+SOURCES = [f"veloxquant_mlx/attention/csrc/{name}.cpp" for name in ("coded_attention", "affine_encode", "gather_rows")]
+
+setup(ext_modules=[Extension(KERNEL, sources=SOURCES)],
       cmdclass={"build_ext": BuildKernel})

@@ -1,4 +1,5 @@
-"""Builds the compiled attention on codes (``csrc/coded_attention.cpp``) against the installed MLX.
+"""Builds the compiled attention on codes (``csrc/coded_attention.cpp``, with the codecs' affine encoding and the
+batch caches' row gather in the same module) against the installed MLX.
 
 Run by ``pip install -e .`` / ``scripts/setup.sh`` (setup.py's build_ext) and by hand::
 

@@ -8,7 +8,9 @@ every core. The pure-MLX path (`packed_sdpa.attend_one_query`) stays the referen
 kernel is used only when it was built against the MLX that runs (``build_kernel.py``), passed a check against
 a direct computation on first use, the default device is the CPU and every part is of a kind it reads;
 otherwise attention runs on the reference, with one warning when the reason is that the kernel is missing or
-broken. ``VELOXQUANT_KERNEL=0`` (or `set_enabled(False)`) turns it off, for comparisons.
+broken. ``VELOXQUANT_KERNEL=0`` (or `set_enabled(False)`) turns it off, for comparisons. The same module holds
+the affine codecs' encoding (`csrc/affine_encode.cpp`, used through `veloxquant_mlx.codecs._affine_encode`),
+under the same switch and first-use check.
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ from typing import List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from veloxquant_mlx.attention.exp2 import LOG2E
+from veloxquant_mlx.codecs import _affine_encode
+from veloxquant_mlx.codecs._affine_encode import reference_affine_encode
 from veloxquant_mlx.codecs.affine_sym_log import LOG_OFFSET, LOG_STEPS, decode_log_scales
 
 _lock = threading.Lock()
@@ -67,6 +71,13 @@ def _smoke_check(mod) -> None:
     err = mx.max(mx.abs(out - ref)).item()
     if not err < 1e-4:
         raise RuntimeError(f"the kernel's check against plain MLX failed (max error {err:.3g})")
+    if hasattr(mod, "affine_encode"):  # the codecs' compiled encoding: bit for bit mx.quantize's codes
+        for tokens_last in (False, True):
+            got = mod.affine_encode(k, None, 4, 32, tokens_last, True)
+            want = reference_affine_encode(k, 4, 32, mx.float16, tokens_last)
+            if not all(mx.array_equal(a, b).item() for a, b in zip(got, want)):
+                raise RuntimeError(f"the compiled encoding's check against mx.quantize failed "
+                                   f"(tokens_last={tokens_last})")
 
 
 def _load():
@@ -117,6 +128,39 @@ def _usable():
         warnings.warn(f"veloxquant_mlx: attention on codes runs on the pure-MLX reference (slower): {_reason}",
                       RuntimeWarning, stacklevel=3)
     return mod
+
+
+def compiled_module():
+    """The checked extension module when compiled code may run now (enabled, CPU default device, built and
+    passed its check), else None; no warning (the attention path warns once when it falls back)."""
+    if not _enabled or mx.default_device() != mx.cpu:
+        return None
+    return _module if _module is not None else _load()
+
+
+def _compiled_encoder():
+    """The codecs' compiled affine encoding (`csrc/affine_encode.cpp`) when compiled code may run now, else None
+    (a module built before it existed has none)."""
+    mod = compiled_module()
+    return getattr(mod, "affine_encode", None) if mod is not None else None
+
+
+_affine_encode.set_compiled_provider(_compiled_encoder)
+
+
+def gather_rows(arrays: Sequence[mx.array], rows: Sequence[int], folds: Sequence[int]) -> List[mx.array]:
+    """``[mx.take(a, item rows, axis=0)]`` for every array: array i holds items of ``folds[i]`` rows along axis 0
+    (a folded ``(B*H, ...)`` array: fold H), and gets items ``rows`` in order, as arrays of their own. One compiled
+    operation for all of them where compiled code may run (`csrc/gather_rows.cpp`), else one ``mx.take`` each."""
+    fn = getattr(compiled_module(), "gather_rows", None)
+    if fn is not None:
+        return fn(list(arrays), [int(r) for r in rows], [int(f) for f in folds])
+    r = mx.array(list(rows), dtype=mx.int32)
+    out = []
+    for a, f in zip(arrays, folds):
+        idx = r if f == 1 else (r[:, None] * f + mx.arange(f, dtype=mx.int32)[None]).reshape(-1)
+        out.append(mx.take(a, idx, axis=0))
+    return out
 
 
 def _reads_log_scales(mod) -> bool:
@@ -284,4 +328,4 @@ def decode_step(queries: mx.array, parts: Sequence, scale: float, sinks: Optiona
     return out if out.dtype == queries.dtype else out.astype(queries.dtype)
 
 
-__all__: List[str] = ["BUILD_HINT", "MAX_ROWS", "decode_step", "enabled", "set_enabled", "status"]
+__all__: List[str] = ["BUILD_HINT", "MAX_ROWS", "decode_step", "enabled", "gather_rows", "set_enabled", "status"]

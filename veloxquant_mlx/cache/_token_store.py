@@ -73,8 +73,9 @@ class TokenStore:
         self.length -= n
         return n
 
-    def delete(self, start: int, stop: int) -> None:
-        """Remove live tokens ``[start, stop)``; later tokens move down (one copy of the live part)."""
+    def delete(self, start: int, stop: int, room: int = 1) -> None:
+        """Remove live tokens ``[start, stop)``; later tokens move down (one copy of the live part). Capacity is
+        kept for ``room`` more tokens (whole steps; never more than it was)."""
         start, stop = max(0, start), min(stop, self.length)
         if stop <= start:
             return
@@ -86,7 +87,7 @@ class TokenStore:
         # Room for the next tokens kept (whole steps, as `append` grows): a store sized exactly to its tokens
         # is copied again by the next append (a batch's tail: twice per coded block).
         length = self.length - (stop - start)
-        spare = _round_up(length + 1, self.step) - length
+        spare = min(_round_up(length + max(room, 1), self.step), self.capacity) - length
         self.buffers = {
             name: mx.concatenate(
                 [buf[:, :, :start], buf[:, :, stop : self.length],

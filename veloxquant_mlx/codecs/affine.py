@@ -18,6 +18,7 @@ from typing import Dict, Optional
 
 import mlx.core as mx
 
+from veloxquant_mlx.codecs._affine_encode import affine_encode
 from veloxquant_mlx.codecs._common import (PerTokenLayout, clamp_all_to, clamp_to, f32, finite_channel_mean,
                                            packed_matmul_ok)
 from veloxquant_mlx.codecs._dequant import dequantize
@@ -125,8 +126,7 @@ class AffineRotatedCodec(PerTokenLayout):
     def encode(self, x: mx.array) -> Dict[str, mx.array]:
         """``(B, H, T, d)`` -> ``{"w_q": uint32 (B,H,T,d*bits/32), "scales"/"biases": (B,H,T,d/group)}``."""
         check_heads("x", x, self.d)
-        w_q, scales, biases = mx.quantize(self.rotate(x), group_size=self.group_size, bits=self.bits)
-        scales, biases = self.store_scales(scales, biases)
+        w_q, scales, biases = affine_encode(self.rotate(x), self.bits, self.group_size, self.scale_dtype)
         return {"w_q": w_q, "scales": scales, "biases": biases}
 
     def store_scale(self, s: mx.array) -> mx.array:

@@ -22,6 +22,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
+from veloxquant_mlx.codecs._affine_encode import affine_encode, reference_affine_encode
 from veloxquant_mlx.codecs._common import clamp_to, packed_matmul_ok
 from veloxquant_mlx.codecs._dequant import dequantize
 from veloxquant_mlx.codecs.affine import FIELDS, AffineRotatedCodec
@@ -63,17 +64,17 @@ class AffineBlockKeyCodec(AffineRotatedCodec):
         check_heads("x", x, self.d)
         if x.shape[2] % self.block:
             raise ValueError(f"x must hold whole blocks: T={x.shape[2]} is not a multiple of block={self.block}")
-        y = mx.swapaxes(self.rotate(x), -1, -2)  # (B, H, d, T)
-        w_q, scales, biases = self.quantize(y)
-        # A block's shared scale and bias per channel cannot code a non-finite token alone (mx.quantize spreads inf
-        # over the block's channel and codes NaN as a finite value): such a channel block decodes NaN, visibly. The
-        # caches refuse to code one (`check_codable`). Three operations per coded block.
-        finite = mx.all(mx.isfinite(y.reshape(*biases.shape, self.block)), axis=-1)
-        biases = mx.where(finite, biases, mx.nan)
-        if self.mean is not None:
-            # Fold Pi mu back in: per channel c, every token of the group shares the offset (Pi mu)_c.
-            biases = biases + self.rotation.apply(self.mean)[None, :, :, None]  # (1, H, d, 1)
-        scales, biases = self.store_scales(scales, biases)
+        # Centring folds Pi mu back into the biases: per channel c, every token of the group shares (Pi mu)_c. A
+        # block's shared scale and bias per channel cannot code a non-finite token alone (mx.quantize spreads inf
+        # over the block's channel and codes NaN as a finite value): such a channel block gets a NaN bias and
+        # decodes NaN, visibly; the caches refuse to code one (`check_codable`).
+        y = self.rotate(x)
+        offset = None if self.mean is None else self.rotation.apply(self.mean)  # (H, d)
+        if type(self).quantize is AffineBlockKeyCodec.quantize:  # mx.quantize's grid: one compiled op when built
+            w_q, scales, biases = affine_encode(y, self.bits, self.block, self.scale_dtype, True, offset)
+        else:
+            w_q, scales, biases = reference_affine_encode(y, self.bits, self.block, self.scale_dtype, True, offset,
+                                                          self.quantize)
         return {"w_q": w_q, "scales": scales, "biases": biases}
 
     def quantize(self, y: mx.array) -> Tuple[mx.array, mx.array, mx.array]:

@@ -1394,6 +1394,9 @@ array coded_decode_attention(const array& q, const array& pk, const array& pv, c
 
 }  // namespace vq
 
+void bind_affine_encode(nb::module_& m);  // affine_encode.cpp
+void bind_gather_rows(nb::module_& m);    // gather_rows.cpp
+
 NB_MODULE(_coded_attention, m) {
   m.doc() = "veloxquant_mlx's compiled attention on affine codes (CPU); the reference is packed_sdpa.attend_one_query";
   m.attr("built_with_mlx") = std::to_string(MLX_VERSION_MAJOR) + "." + std::to_string(MLX_VERSION_MINOR) + "." +
@@ -1410,4 +1413,6 @@ NB_MODULE(_coded_attention, m) {
         nb::arg("k2w").none() = nb::none(), nb::arg("k2s").none() = nb::none(), nb::arg("pk2").none() = nb::none(),
         nb::arg("k2_levels").none() = nb::none(), nb::arg("k2_bits") = 0, nb::arg("v2w").none() = nb::none(),
         nb::arg("v2_levels").none() = nb::none(), nb::arg("v2_bits") = 0);
+  bind_affine_encode(m);
+  bind_gather_rows(m);
 }
