@@ -333,6 +333,24 @@ def test_a_module_that_computes_garbage_is_refused(fresh_kernel_state, monkeypat
     assert "first-use check" in kernel._reason
 
 
+def test_a_module_whose_row_gather_is_wrong_is_refused(fresh_kernel_state, monkeypatch):
+    """The first-use check covers the batch caches' row gather: attention right, gather wrong -> not used."""
+    import sys
+    import types
+
+    real = kernel.compiled_module()
+    fake = types.ModuleType("veloxquant_mlx.attention._coded_attention")
+    fake.built_with_mlx = real.built_with_mlx
+    fake.coded_decode_attention = real.coded_decode_attention
+    fake.gather_rows = lambda arrays, rows, folds: real.gather_rows(arrays, list(reversed(rows)), folds)
+    monkeypatch.setitem(sys.modules, "veloxquant_mlx.attention._coded_attention", fake)
+    monkeypatch.setattr(kernel, "_module", None)
+    monkeypatch.setattr(kernel, "_reason", None)
+    monkeypatch.setattr(kernel, "_warned", True)
+    assert kernel._load() is None
+    assert "row gather" in kernel._reason
+
+
 def _fresh(parts):
     """New part objects over copied arrays (of a `Rows.copy`, which keeps no view): nothing a step kept applies."""
     return [CodedPart(p.k_codec, {f: mx.array(a) for f, a in p.k_arrays.items()}, p.v_codec,

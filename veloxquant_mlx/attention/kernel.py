@@ -9,8 +9,9 @@ kernel is used only when it was built against the MLX that runs (``build_kernel.
 a direct computation on first use, the default device is the CPU and every part is of a kind it reads;
 otherwise attention runs on the reference, with one warning when the reason is that the kernel is missing or
 broken. ``VELOXQUANT_KERNEL=0`` (or `set_enabled(False)`) turns it off, for comparisons. The same module holds
-the affine codecs' encoding (`csrc/affine_encode.cpp`, used through `veloxquant_mlx.codecs._affine_encode`),
-under the same switch and first-use check.
+the affine codecs' encoding (`csrc/affine_encode.cpp`, used through `veloxquant_mlx.codecs._affine_encode`)
+and the batch caches' row gather (`csrc/gather_rows.cpp`, `gather_rows`), under the same switch and first-use
+check.
 """
 from __future__ import annotations
 
@@ -78,6 +79,11 @@ def _smoke_check(mod) -> None:
             if not all(mx.array_equal(a, b).item() for a, b in zip(got, want)):
                 raise RuntimeError(f"the compiled encoding's check against mx.quantize failed "
                                    f"(tokens_last={tokens_last})")
+    if hasattr(mod, "gather_rows"):  # the batch caches' row gather: mx.take's rows
+        rows = mx.swapaxes(k.reshape(2, 64, 32), 1, 2)  # (a strided view)
+        got = mod.gather_rows([rows], [1, 0], [1])[0]
+        if not mx.array_equal(got, mx.take(rows, mx.array([1, 0]), axis=0)).item():
+            raise RuntimeError("the compiled row gather's check against mx.take failed")
 
 
 def _load():
