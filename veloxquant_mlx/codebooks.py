@@ -85,11 +85,13 @@ _MX_CACHE: dict = {}
 
 
 def _mx_cached(cb: Codebook, which: str) -> mx.array:
-    # mx arrays are built once per codebook (the Codebook itself is an lru_cache'd value).
-    key = (id(cb), which)
+    # mx arrays built once per codebook content. Keyed by the values, not by id(cb): an unpickled or copied
+    # Codebook is a new object, and once freed its id is reused by another one, which then read the first one's
+    # levels (a pickled standalone cache continued with the wrong codes in ~8 % of runs of its test).
+    src = cb.centroids_np if which == "c" else cb.boundaries_np
+    key = (which, src.dtype.str, src.shape, src.tobytes())
     arr = _MX_CACHE.get(key)
     if arr is None:
-        src = cb.centroids_np if which == "c" else cb.boundaries_np
         arr = mx.array(src, dtype=mx.float32)
         _MX_CACHE[key] = arr
     return arr
