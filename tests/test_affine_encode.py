@@ -5,7 +5,8 @@ NaN bias for a non-finite group and rotated-mean offset, the float16 clamp). The
 the same three arrays exactly, for every width and group MLX packs, both layouts, both stored scale dtypes, head
 dims that are and are not a multiple of its eight SIMD lanes, magnitudes from tiny to beyond float16, and
 non-finite inputs; the codecs must store the same codes whichever path runs, and take the compiled one when
-the kernel is on. CI builds the kernel, so the compiled path is what these tests reach.
+the kernel is on (its first-use check against a wrong encoding: tests/test_kernel.py). CI builds the kernel,
+so the compiled path is what these tests reach.
 """
 from __future__ import annotations
 
@@ -152,21 +153,3 @@ def test_the_wrapper_falls_back_to_the_reference_when_the_module_lacks_the_opera
     y, off = _inputs((1, 2, 64, 64), 1.0, 5, True)
     got = affine_encode(y, 8, 64, mx.float16, True, off)
     assert all(_same(got, reference_affine_encode(y, 8, 64, mx.float16, True, off)))
-
-
-def test_a_module_whose_encoding_is_wrong_is_refused(monkeypatch):
-    """The first-use check covers the encoding: a module whose attention is right and encoding wrong is not used."""
-    import sys
-    import types
-
-    real = kernel.compiled_module()
-    fake = types.ModuleType("veloxquant_mlx.attention._coded_attention")
-    fake.built_with_mlx = real.built_with_mlx
-    fake.coded_decode_attention = real.coded_decode_attention
-    fake.affine_encode = lambda y, off, bits, group, tl, half: [a + 1 if a.dtype != mx.uint32 else a for a in
-                                                                 real.affine_encode(y, off, bits, group, tl, half)]
-    for name in ("_module", "_reason", "_warned"):
-        monkeypatch.setattr(kernel, name, None if name != "_warned" else True)
-    monkeypatch.setitem(sys.modules, "veloxquant_mlx.attention._coded_attention", fake)
-    assert kernel._load() is None
-    assert "encoding" in kernel._reason

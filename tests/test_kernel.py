@@ -318,37 +318,42 @@ def test_missing_or_mismatched_module_falls_back_with_one_warning(fresh_kernel_s
     assert kernel.status()[0] is False and "rebuild" in kernel.status()[1]
 
 
-def test_a_module_that_computes_garbage_is_refused(fresh_kernel_state, monkeypatch):
+def _load_fake(monkeypatch, **functions) -> str:
+    """Loads a stand-in extension module (built for this MLX) holding ``functions``; returns why it was refused."""
     import sys
     import types
 
     fake = types.ModuleType("veloxquant_mlx.attention._coded_attention")
     fake.built_with_mlx = mx.__version__
-    fake.coded_decode_attention = lambda q, *a: mx.zeros((1, 2, 2, 32))
+    for name, fn in functions.items():
+        setattr(fake, name, fn)
     monkeypatch.setitem(sys.modules, "veloxquant_mlx.attention._coded_attention", fake)
     monkeypatch.setattr(kernel, "_module", None)
     monkeypatch.setattr(kernel, "_reason", None)
     monkeypatch.setattr(kernel, "_warned", True)
     assert kernel._load() is None
-    assert "first-use check" in kernel._reason
+    return kernel._reason
+
+
+def test_a_module_that_computes_garbage_is_refused(fresh_kernel_state, monkeypatch):
+    reason = _load_fake(monkeypatch, coded_decode_attention=lambda q, *a: mx.zeros((1, 2, 2, 32)))
+    assert "first-use check" in reason
+
+
+def test_a_module_whose_encoding_is_wrong_is_refused(fresh_kernel_state, monkeypatch):
+    """The first-use check covers the codecs' encoding: attention right, encoding wrong -> not used."""
+    real = kernel.compiled_module()
+    wrong = lambda *args: [a + 1 if a.dtype != mx.uint32 else a for a in real.affine_encode(*args)]  # noqa: E731
+    reason = _load_fake(monkeypatch, coded_decode_attention=real.coded_decode_attention, affine_encode=wrong)
+    assert "encoding" in reason
 
 
 def test_a_module_whose_row_gather_is_wrong_is_refused(fresh_kernel_state, monkeypatch):
     """The first-use check covers the batch caches' row gather: attention right, gather wrong -> not used."""
-    import sys
-    import types
-
     real = kernel.compiled_module()
-    fake = types.ModuleType("veloxquant_mlx.attention._coded_attention")
-    fake.built_with_mlx = real.built_with_mlx
-    fake.coded_decode_attention = real.coded_decode_attention
-    fake.gather_rows = lambda arrays, rows, folds: real.gather_rows(arrays, list(reversed(rows)), folds)
-    monkeypatch.setitem(sys.modules, "veloxquant_mlx.attention._coded_attention", fake)
-    monkeypatch.setattr(kernel, "_module", None)
-    monkeypatch.setattr(kernel, "_reason", None)
-    monkeypatch.setattr(kernel, "_warned", True)
-    assert kernel._load() is None
-    assert "row gather" in kernel._reason
+    wrong = lambda arrays, rows, folds: real.gather_rows(arrays, list(reversed(rows)), folds)  # noqa: E731
+    reason = _load_fake(monkeypatch, coded_decode_attention=real.coded_decode_attention, gather_rows=wrong)
+    assert "row gather" in reason
 
 
 def _fresh(parts):

@@ -19,7 +19,7 @@ from typing import Dict, Optional
 import mlx.core as mx
 
 from veloxquant_mlx.codecs._affine_encode import affine_encode
-from veloxquant_mlx.codecs._common import (PerTokenLayout, clamp_all_to, clamp_to, f32, finite_channel_mean,
+from veloxquant_mlx.codecs._common import (PerTokenLayout, clamp_to, f32, finite_channel_mean,
                                            packed_matmul_ok)
 from veloxquant_mlx.codecs._dequant import dequantize
 from veloxquant_mlx.codecs.contract import AffineCodes
@@ -134,10 +134,6 @@ class AffineRotatedCodec(PerTokenLayout):
         near ±65504 can exceed it), so finite inputs never store inf (a non-finite one keeps its non-finite scale:
         its token decodes non-finite, never as a finite value)."""
         return clamp_to(s, self.scale_dtype)
-
-    def store_scales(self, *arrays: mx.array) -> tuple:
-        """`store_scale` of each array (one fused kernel for all of them)."""
-        return clamp_all_to(self.scale_dtype, *arrays)
 
     def _affine(self, codes: Dict[str, mx.array]):
         """(w_q, scales, biases) as MLX's affine format reads them (a subclass may derive them from other fields)."""
