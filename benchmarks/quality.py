@@ -38,7 +38,7 @@ from veloxquant_mlx.eval import (  # noqa: E402
     perplexity_eval,
 )
 from veloxquant_mlx.eval.corpus import CORPORA, DEFAULT_CORPUS  # noqa: E402
-from veloxquant_mlx.eval.specs import CONFIGURATIONS, compressed_spec  # noqa: E402
+from veloxquant_mlx.eval.specs import CONFIGURATIONS, compressed_spec, with_calibration  # noqa: E402
 from veloxquant_mlx.models.loader import load_model  # noqa: E402
 
 # Our configurations: name -> make_prompt_cache options. Bits in the names are K/V code bits;
@@ -142,12 +142,21 @@ BUDGETS = (  # (bits, max dppl %, max KL or None, needle misses allowed: 9/9 -> 
 )
 
 
-def make_specs(names):
-    """Baselines, registered configurations (``CONFIGURATIONS``: tq-4b, ...) and the research names of ``OURS``."""
+def make_specs(names, calibration=None):
+    """Baselines, registered configurations (``CONFIGURATIONS``: tq-4b, ...) and the research names of ``OURS``;
+    ``NAME+cal``: a registered configuration with ``calibration``'s channel weights."""
     base = {s.name: s for s in baseline_specs()}
     specs = []
     for name in names:
-        if name in base:
+        preset, plus, lever = name.partition("+")
+        if plus:
+            if lever != "cal" or preset not in CONFIGURATIONS:
+                raise SystemExit(f"unknown config {name!r}: '+cal' follows a registered configuration "
+                                 f"({', '.join(CONFIGURATIONS)})")
+            if calibration is None:
+                raise SystemExit(f"{name!r} needs --calibration FILE")
+            specs.append(with_calibration(compressed_spec(preset, CONFIGURATIONS[preset]), calibration, "+cal"))
+        elif name in base:
             specs.append(base[name])
         elif name in CONFIGURATIONS:
             specs.append(compressed_spec(name, CONFIGURATIONS[name]))
@@ -191,6 +200,9 @@ def main(argv=None):
     ap.add_argument("--needle-lengths", default="1024,2048,4096", help="passkey prompt lengths (x 3 depths)")
     ap.add_argument("--needle-configs", default=None, help="configs for the passkey test (default: all)")
     ap.add_argument("--needle-corpus", default=DEFAULT_CORPUS, help="the passkey prompts' filler text")
+    ap.add_argument("--calibration", default=None,
+                    help="calibration file for the NAME+cal configs; made (the default calibration text) and saved "
+                         "there when it does not exist")
     ap.add_argument("--out", default="results/quality.json")
     ap.add_argument("--markdown", default=None, help="also write the tables as markdown (BENCHMARKS.md section)")
     ap.add_argument("--plot", default=None, help="also write a PNG: Δppl and KL against bits per coordinate")
@@ -230,9 +242,12 @@ def run(args) -> dict:
     subsets = {int(c): set(n.split(",")) | {"kv"}
                for c, n in (x.split("=") for x in args.context_configs.split(";") if x)}
     model, tokenizer = load_model(args.model)
-    specs = make_specs(names)
+    calibration = _calibration(args.calibration, model, tokenizer) if args.calibration else None
+    specs = make_specs(names, calibration)
     results = {"model": args.model, "command": " ".join(sys.argv), "configs": {s.name: s.description for s in specs},
                "corpora": {}, "needle": None}
+    if calibration is not None:
+        results["calibration"] = {**calibration.metadata(), "file": args.calibration, "bytes": calibration.nbytes}
     tokens = {c: corpus_tokens(tokenizer, c, min_tokens=max([x * w for x, w in zip(contexts, windows)] + [0]) + 1)
               for c in corpora if contexts}
     for corpus in tokens:
@@ -258,6 +273,19 @@ def run(args) -> dict:
         results["needle"] = {"corpus": args.needle_corpus, "lengths": lengths,
                              "results": {k: {"passed": v["passed"], "total": v["total"]} for k, v in out.items()}}
     return results
+
+
+def _calibration(path, model, tokenizer):
+    """The calibration in ``path``, or one made now on the default calibration text and saved there."""
+    if os.path.exists(path):
+        return vq.Calibration.load(path, model)
+    t0 = time.time()
+    cal = vq.calibrate(model, tokenizer=tokenizer)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    cal.save(path)
+    print(f"[calibrated on {cal.text['tokens']} tokens ({cal.text['description']}) in {time.time() - t0:.0f} s: "
+          f"{path}]", file=sys.stderr)
+    return cal
 
 
 def merge(runs):
@@ -345,6 +373,10 @@ def markdown(results, args) -> str:
         out.append("")
     if needle:
         out.append(f"Passkey: filler from {needle['corpus']}, lengths {needle['lengths']} x depths 10/50/90 %.\n")
+    cal = results.get("calibration")
+    if cal:
+        out.append(f"`+cal`: calibration {cal['id']} ({cal['file']}, {cal['bytes']:,} bytes of arrays, per model), "
+                   f"measured on {cal['text']['tokens']} tokens of {cal['text']['description']}.\n")
     return "\n".join(out) + "\n"
 
 
