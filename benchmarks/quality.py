@@ -37,6 +37,7 @@ from veloxquant_mlx.eval import (  # noqa: E402
     passkey_eval,
     perplexity_eval,
 )
+from veloxquant_mlx.calibration.file import SUFFIX as CALIBRATION_SUFFIX  # noqa: E402
 from veloxquant_mlx.eval.corpus import CORPORA, DEFAULT_CORPUS  # noqa: E402
 from veloxquant_mlx.eval.specs import CONFIGURATIONS, compressed_spec, with_calibration  # noqa: E402
 from veloxquant_mlx.models.loader import load_model  # noqa: E402
@@ -279,6 +280,8 @@ def _calibration(path, model, tokenizer):
     """The calibration in ``path``, or one made now on the default calibration text and saved there."""
     if os.path.exists(path):
         return vq.Calibration.load(path, model)
+    if not path.endswith(CALIBRATION_SUFFIX):  # (before minutes of calibrating, not after)
+        raise SystemExit(f"--calibration: a new calibration file's name must end in {CALIBRATION_SUFFIX}, got {path!r}")
     t0 = time.time()
     cal = vq.calibrate(model, tokenizer=tokenizer)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -298,6 +301,10 @@ def merge(runs):
             dst = out["corpora"].setdefault(corpus, {"tokens": per["tokens"], "ppl": {}})
             for ctx, rows in per["ppl"].items():
                 dst["ppl"].setdefault(ctx, {}).update(rows)
+        if r.get("calibration"):
+            if out.get("calibration", r["calibration"])["id"] != r["calibration"]["id"]:
+                raise SystemExit("--from-json: the runs used different calibrations; merge runs of one calibration")
+            out["calibration"] = r["calibration"]
         if r.get("needle"):
             if out["needle"] is None:
                 out["needle"] = {"corpus": r["needle"]["corpus"], "lengths": [], "results": {}}
