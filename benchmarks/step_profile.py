@@ -4,6 +4,8 @@ A DIAGNOSIS, not a speed figure (the speed figures are `e2e_speed.py`'s paired r
 chunked prefill of ``--prompt`` tokens through SmolLM2, then, in rounds where the configs take turns:
 
 - ``step``: one greedy decode step (``model(token, cache)`` + ``mx.eval``), as `e2e_speed.py` times it;
+- ``build``: the part of ``step`` before ``mx.eval``: Python building the step's graph (the model's layers, the
+  cache's ``update_and_fetch`` and attention calls), nothing evaluated yet;
 - ``store``: every layer's ``update_and_fetch`` of one new token (random keys/values of the model's shape), then
   one ``mx.eval`` of everything the caches hold;
 - ``attention``: then every layer's attention of one random query group over what it holds (ours:
@@ -14,7 +16,13 @@ chunked prefill of ``--prompt`` tokens through SmolLM2, then, in rounds where th
 The parts are timed apart, so lazy evaluation inside a real step may overlap them: ``rest`` is an estimate.
 Milliseconds are medians over ``--rounds`` (each round: ``--steps`` of each part per config).
 
+``--batch-cache``: after the prefill every layer's cache is merged into its batch class as a batch of one row
+(``type(c).merge([c])``: mlx_lm's ``BatchKVCache`` for ``kv``, ours for a TurboQuant method), what a batched
+server decodes with at one client. ``--baseline-tokens N``: one more row, ``kv`` at an ``N``-token prompt, so
+that ``kv``'s step minus that row's is what the context costs the plain cache (the most any cache can save).
+
     python benchmarks/step_profile.py --prompt 4096 --configs kv,tq-affine-k8v4,tq-prod-k4v4,tq-rvq-k2v2
+    python benchmarks/step_profile.py --prompt 430 --configs kv,tq-affine-k8v4 --batch-cache --baseline-tokens 16
 """
 from __future__ import annotations
 
@@ -50,7 +58,8 @@ def attend(c, queries, scale):
         kq, vq = ([a[..., : c.offset, :] for a in x] for x in (c.keys, c.values))
         return mlx_base.quantized_scaled_dot_product_attention(queries, kq, vq, scale=scale, mask=None,
                                                                group_size=c.group_size, bits=c.bits)
-    k, v = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
+    n = c.size()  # the stored slots (KVCache: its offset; BatchKVCache: its slot index, a batch's offset is per row)
+    k, v = c.keys[..., :n, :], c.values[..., :n, :]
     return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=None)
 
 
@@ -78,7 +87,7 @@ def main(argv=None):
 
     import mlx.core as mx
 
-    from e2e_speed import context_for, decode_step, machine, make_cache, prefill, registered
+    from e2e_speed import context_for, machine, make_cache, prefill, registered
     from veloxquant_mlx.attention import kernel as attention_kernel
     from veloxquant_mlx.eval import corpus_tokens
     from veloxquant_mlx.models.loader import load_model
@@ -90,6 +99,10 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=8, help="timings of each part per config and round")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--configs", default="kv,tq-affine-k8v4,tq-mse-k4v4,tq-prod-k4v4,tq-rvq-k2v2")
+    ap.add_argument("--batch-cache", action="store_true",
+                    help="decode with each layer's cache merged into its batch class, one row (a batched server)")
+    ap.add_argument("--baseline-tokens", type=int, default=0,
+                    help="also profile kv at a prompt of this many tokens (0: not)")
     ap.add_argument("--out", default="results/step_profile.json")
     args = ap.parse_args(argv)
     configs = [c for c in args.configs.split(",") if c]
@@ -99,6 +112,10 @@ def main(argv=None):
     for name in ("prompt", "chunk", "steps", "rounds"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.batch_cache and "mlx-q4" in configs:
+        raise ValueError("--batch-cache: mlx-q4 (mlx_lm's QuantizedKVCache) has no batch class; leave it out")
+    if not 0 <= args.baseline_tokens < args.prompt:
+        raise ValueError(f"--baseline-tokens must lie in [0, --prompt), got {args.baseline_tokens}")
     print(f"BLAS: {blas_name()}; machine: {machine()}; attention on codes: {attention_kernel.status()[1]}")
     print("DIAGNOSIS: parts timed apart (see the docstring); speed figures come from e2e_speed.py", flush=True)
 
@@ -112,32 +129,44 @@ def main(argv=None):
     n_q = args_model.num_attention_heads
     d = getattr(args_model, "head_dim", None) or args_model.hidden_size // n_q
 
+    runs = [(c, c, args.prompt) for c in configs]  # (row label, config, prompt tokens)
+    if args.baseline_tokens:
+        runs.append((f"kv@{args.baseline_tokens}", "kv", args.baseline_tokens))
     caches, tokens = {}, {}
-    for c in configs:
+    for label, c, n in runs:
         gc.collect()
         mx.clear_cache()
         cache = make_cache(c, model)
         with context_for(c):
-            logits = prefill(model, cache, prompt, args.chunk)
-        caches[c], tokens[c] = cache, mx.argmax(logits, axis=-1)
-        print(f"{c}: prefilled {args.prompt} tokens", flush=True)
+            logits = prefill(model, cache, prompt[:, :n], args.chunk)
+            if args.batch_cache:
+                cache = [type(layer).merge([layer]) for layer in cache]
+        caches[label], tokens[label] = cache, mx.argmax(logits, axis=-1)
+        print(f"{label}: prefilled {n} tokens{', merged into batch caches of one row' if args.batch_cache else ''}",
+              flush=True)
 
+    labels = [r[0] for r in runs]
+    config_of = {label: c for label, c, _ in runs}
     rng = random.Random(0)
-    times = {c: {"step": [], "store": [], "attention": []} for c in configs}
+    times = {c: {"step": [], "build": [], "store": [], "attention": []} for c in labels}
     key = mx.random.key(0)
     for _ in range(args.rounds):
         for _ in range(args.steps):
-            order = list(configs)
+            order = list(labels)
             rng.shuffle(order)
             key, k1, k2, k3 = mx.random.split(key, 4)
             k, v, q = (mx.random.normal(s, key=r) for s, r in (((1, n_kv, 1, d), k1), ((1, n_kv, 1, d), k2),
                                                                ((1, n_q, 1, d), k3)))
             mx.eval(k, v, q)
             for c in order:
-                with context_for(c):
+                with context_for(config_of[c]):
                     t0 = time.perf_counter()
-                    tokens[c] = decode_step(model, caches[c], tokens[c])
+                    logits = model(tokens[c][:, None], cache=caches[c])  # what e2e_speed's decode_step does
+                    t1 = time.perf_counter()
+                    tokens[c] = mx.argmax(logits[:, -1], axis=-1)
+                    mx.eval(tokens[c])
                     times[c]["step"].append(time.perf_counter() - t0)
+                    times[c]["build"].append(t1 - t0)
                     for layer in caches[c]:
                         layer.trim(1)
                     store, attention = store_and_attend(caches[c], k, v, q, d ** -0.5)
@@ -145,17 +174,21 @@ def main(argv=None):
                     times[c]["attention"].append(attention)
 
     rows = []
-    print(f"\nmilliseconds per decode step at {args.prompt} tokens, {len(caches[configs[0]])} layers (medians)")
-    print(f"{'config':16s} {'step':>8s} {'store':>8s} {'attention':>10s} {'rest':>8s}")
-    for c in configs:
+    kind = "batch caches of one row" if args.batch_cache else "per-sequence caches"
+    print(f"\nmilliseconds per decode step at {args.prompt} tokens, {len(caches[labels[0]])} layers, {kind} (medians; "
+          "build = the step's Python before evaluation, part of step)")
+    print(f"{'config':16s} {'step':>8s} {'build':>8s} {'store':>8s} {'attention':>10s} {'rest':>8s}")
+    for c in labels:
         med = {p: 1e3 * statistics.median(v) for p, v in times[c].items()}
         med["rest"] = med["step"] - med["store"] - med["attention"]
         rows.append({"config": c, **{p + "_ms": round(x, 3) for p, x in med.items()}})
-        print(f"{c:16s} {med['step']:8.1f} {med['store']:8.1f} {med['attention']:10.1f} {med['rest']:8.1f}")
+        print(f"{c:16s} {med['step']:8.1f} {med['build']:8.1f} {med['store']:8.1f} {med['attention']:10.1f} "
+              f"{med['rest']:8.1f}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"machine": machine(), "blas": blas_name(), "prompt": args.prompt, "steps": args.steps,
-                   "rounds": args.rounds, "kernel": attention_kernel.status()[1], "rows": rows}, f, indent=1)
+                   "rounds": args.rounds, "batch_cache": args.batch_cache, "baseline_tokens": args.baseline_tokens,
+                   "kernel": attention_kernel.status()[1], "rows": rows}, f, indent=1)
     print(f"wrote {args.out}")
 
 
