@@ -406,8 +406,9 @@ def test_a_chunk_query_without_a_stored_chunk_is_refused_clearly():
 def test_refusals_are_clear():
     with pytest.raises(ValueError, match="options"):
         TurboQuantPackedCache.merge([TurboQuantPackedCache(k_bits=4), TurboQuantPackedCache(k_bits=3)])
-    with pytest.raises(ValueError, match="fetch_placeholders"):
-        TurboQuantPackedCache.merge([TurboQuantPackedCache(fetch_placeholders=False)])
+    with pytest.warns(UserWarning, match="uncompressed while batched"):  # caches built to decode (MLA models)
+        assert type(TurboQuantPackedCache.merge([TurboQuantPackedCache(fetch_placeholders=False)])).__name__ == \
+            "BatchKVCache"
     with pytest.raises(ValueError, match="caches"):
         TurboQuantBatchPackedCache.merge([])
     _, batch, _ = _run_cache_level(CONFIGS["affine-k4v4"], (3, 9), decode_steps=1)
@@ -416,7 +417,7 @@ def test_refusals_are_clear():
     with pytest.raises(ValueError, match="idx"):
         batch.extract(5)
     with pytest.raises(ValueError, match="window_size"):
-        batch.make_mask(1, window_size=4)
+        batch.make_mask(1, window_size=0)
     with pytest.raises(ValueError, match="enable"):  # attention on codes only
         batch.update_and_fetch(mx.zeros((2, H, 1, D)), mx.zeros((2, H, 1, D)))
     with use_packed_attention(), pytest.raises(ValueError, match="batch size"):

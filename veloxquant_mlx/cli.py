@@ -31,7 +31,7 @@ from .eval.forward import greedy_decode, prefill
 from .eval.memory import DEFAULT_CONTEXT, measure_bytes_per_token, model_kv_shape, plan_context
 from .calibration.file import Calibration
 from .calibration.measure import calibrate
-from .eval.specs import baseline_specs, registered_specs, resolve_spec, with_calibration
+from .eval.specs import MLX_GROUP_SIZE, baseline_specs, registered_specs, resolve_spec, with_calibration
 from .integration import disable, enable, use_packed_attention
 from .models import ModelPackageMissing, load_model, max_context
 from .options import DEFAULT_NAME
@@ -488,9 +488,50 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def _measured(head_dim: int, kv_heads: int):
+def _inapplicable(spec, head_dim: int) -> Optional[str]:
+    """Why ``spec`` cannot take ``head_dim`` when that is known without building it (mlx_lm's own caches), or None."""
+    # mx.quantize needs whole groups along the head dim; without this check MLX fails inside the first update.
+    if spec.family == "mlx-q" and head_dim % MLX_GROUP_SIZE:
+        return f"needs head_dim a multiple of {MLX_GROUP_SIZE} (mlx_lm QuantizedKVCache group_size)"
+    return None
 
-    return [(s, measure_bytes_per_token(s.make_cache, kv_heads, head_dim)) for s in registered_specs(head_dim)]
+
+def _measure_all(head_dim: int, kv_heads: int):
+    """``[(spec, measurement, None)]`` for the methods that take ``head_dim``, ``(spec, None, why not)`` for the
+    others, in registry order; the others are named on stderr in one line, and CLIError when no method applies.
+
+    Our caches refuse a head_dim they cannot code with a ValueError that says why (d >= 2, whole affine groups):
+    that method is listed as not applicable rather than ending the command."""
+    rows = []
+    for s in registered_specs(head_dim):
+        why = _inapplicable(s, head_dim)
+        if why is None:
+            try:
+                rows.append((s, measure_bytes_per_token(s.make_cache, kv_heads, head_dim), None))
+                continue
+            except ValueError as e:
+                why = str(e)
+        rows.append((s, None, why))
+    skipped = [(s, why) for s, m, why in rows if m is None]
+    if len(skipped) == len(rows):
+        raise CLIError(f"--head-dim {head_dim}: no method applies ({_reasons(skipped)})")
+    if skipped:
+        _say(f"veloxquant: note: {len(skipped)} of {len(rows)} methods do not apply at head_dim={head_dim} (n/a): "
+             f"{_reasons(skipped)}")
+    return rows
+
+
+def _reasons(skipped) -> str:
+    """``name, name: why; ...``: the methods grouped by reason, on one line."""
+    by_reason = {}
+    for s, why in skipped:
+        by_reason.setdefault(why, []).append(s.name)
+    return "; ".join(f"{', '.join(names)}: {why}" for why, names in by_reason.items())
+
+
+def _measured(head_dim: int, kv_heads: int):
+    """``[(spec, measurement)]`` of the methods that take ``head_dim`` (see `_measure_all`)."""
+    return [(s, m) for s, m, _ in _measure_all(head_dim, kv_heads) if m is not None]
 
 
 DEFAULT_MARK = "(default) "
@@ -498,9 +539,11 @@ DEFAULT_MARK = "(default) "
 
 def cmd_methods(args) -> int:
 
-    rows = [[s.name, s.family, "-" if s.bits is None else f"{s.bits:g}", f"{m['bytes_per_token_per_layer']:.1f}",
-             f"{m['bits_per_coordinate']:.3f}", (DEFAULT_MARK if s.name == DEFAULT_NAME else "") + s.description]
-            for s, m in _measured(args.head_dim, args.kv_heads)]
+    rows = [[s.name, s.family, "-" if s.bits is None else f"{s.bits:g}"] + (
+             [f"{m['bytes_per_token_per_layer']:.1f}", f"{m['bits_per_coordinate']:.3f}",
+              (DEFAULT_MARK if s.name == DEFAULT_NAME else "") + s.description] if m is not None else
+             ["n/a", "n/a", f"not applicable at head_dim={args.head_dim}: {why}"])
+            for s, m, why in _measure_all(args.head_dim, args.kv_heads)]
     print(f"measured with head_dim={args.head_dim}, kv_heads={args.kv_heads}: every stored byte of one layer holding "
           f"{DEFAULT_CONTEXT} random tokens after its exact sink tokens (the benchmarks' measurement)")
     print(_table(["method", "family", "bits", f"bytes/token/layer @{DEFAULT_CONTEXT}", f"bits/coord @{DEFAULT_CONTEXT}",
@@ -547,7 +590,10 @@ def cmd_plan(args) -> int:
 
     ram = args.ram_gb * 2**30
     rows = []
-    for s, m in _measured(args.head_dim, args.kv_heads):
+    for s, m, _ in _measure_all(args.head_dim, args.kv_heads):  # why a method is n/a is said on stderr
+        if m is None:
+            rows.append([s.name, "n/a", "n/a"])
+            continue
         bpt = m["bytes_per_token_per_layer"]
         rows.append([s.name, f"{bpt * args.layers:.0f}", f"{plan_context(bpt, args.layers, ram):,}"])
     print(f"KV cache budget {args.ram_gb:g} GiB; {args.layers} layers x {args.kv_heads} kv heads x head_dim {args.head_dim}")

@@ -71,6 +71,8 @@ def rank_summary(model, make_cache, group: Optional[mx.distributed.Group] = None
         what = f"tensor parallel, {heads} of {attention_heads(model)[1]} KV heads, {n_layers} layers"
     else:
         what = f"{heads} KV heads, {n_layers} layers"
-    per_layer = measure_bytes_per_token(make_cache, heads, head_dim, model=model)["bytes_per_token_per_layer"]
-    return (f"rank {group.rank()}/{group.size()}: {what}; KV bytes per token {per_layer * n_layers:.0f} "
+    m = measure_bytes_per_token(make_cache, heads, head_dim, model=model)
+    # a hybrid model's linear-attention / SSM layers keep no keys and values: only m["layers"] grow per token
+    per_layer = m["bytes_per_token_per_layer"]
+    return (f"rank {group.rank()}/{group.size()}: {what}; KV bytes per token {per_layer * m['layers']:.0f} "
             f"({per_layer:.1f} per layer)")

@@ -41,6 +41,7 @@ model never enabled is untouched.
 """
 from __future__ import annotations
 
+import ast
 import collections
 import contextlib
 import dataclasses
@@ -49,6 +50,7 @@ import functools
 import inspect
 import sys
 import threading
+import warnings
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -71,8 +73,8 @@ CACHE_CLASSES = (TurboQuantPackedCache, TurboQuantRotatingPackedCache, TurboQuan
                  TurboQuantBatchRotatingPackedCache)
 
 __all__ = [
-    "CACHE_CLASSES", "KVCacheBuilder", "attention_is_routable", "disable", "enable", "enabled_options",
-    "hold_while_alive", "install", "is_enabled", "make_prompt_cache", "mlx_lm_cache_classes",
+    "CACHE_CLASSES", "KVCacheBuilder", "attention_is_routable", "cache_report", "coverage_line", "disable", "enable", "enabled_options", "fetches_real_arrays",
+    "hold_while_alive", "install", "is_enabled", "latent_attention", "make_prompt_cache", "uniform_head_dim", "mlx_lm_cache_classes",
     "packed_scaled_dot_product_attention", "routes_model", "uninstall", "use_packed_attention",
 ]
 
@@ -110,23 +112,47 @@ def _fast_arguments(args, kwargs):
 def packed_scaled_dot_product_attention(queries, keys, values, cache, *args, **kwargs):
     """Drop-in for ``mlx_lm.models.base.scaled_dot_product_attention`` (same signature).
 
-    Protocol caches (while the routing is on) -> ``cache.attend_packed``; anything else -> the original.
+    While the routing is on: a packed cache's own placeholders -> ``cache.attend_packed``; another cache's
+    placeholders (a layer reusing an earlier layer's keys and values, often with ``cache=None``) -> that cache's
+    ``attend_packed``; placeholders changed on the way (the model computed on them) -> RuntimeError, never a silent
+    wrong output; a protocol cache of another library -> its ``attend_packed``; anything else (real arrays, e.g.
+    fetched decoded) -> the original.
     """
     original = _original
     if original is None:  # never installed: behave like mlx_lm itself
         original = getattr(mlx_base, _NAME)
         if original is packed_scaled_dot_product_attention:
             raise RuntimeError("packed attention routing state lost: base holds the replacement but no original")
-    if hook.is_active() and hook.implements_protocol(cache):
-        a = _fast_arguments(args, kwargs)
-        if a is None:  # an unusual call: let the signature sort it out (and raise its usual errors)
-            bound = _signature.bind(queries, keys, values, cache, *args, **kwargs)
-            bound.apply_defaults()
-            a = bound.arguments
-        sinks = a.get("sinks")
-        if sinks is None:
-            return cache.attend_packed(queries, a["scale"], a["mask"])
-        return cache.attend_packed(queries, a["scale"], a["mask"], sinks=sinks)
+    if hook.is_active():
+        ours = getattr(type(cache), "owns_placeholders", False)
+        pair = hook.placeholders_of(cache) if ours else None
+        if pair is not None and pair[0] is keys and pair[1] is values:  # its own placeholders (checked first)
+            owner = cache
+        elif not ours and hook.implements_protocol(cache):  # a protocol cache of another library
+            owner = cache
+        else:
+            # another layer's placeholders (a layer reusing an earlier layer's keys and values), or real arrays
+            owner = hook.owner_of(keys)
+            placeholders = owner is not None or hook.owner_of(values) is not None
+            if owner is not None and hook.placeholders_of(owner)[1] is not values:
+                owner = None  # keys and values of different origins (an MLA layer's k = v = latent): not ours
+            if owner is None and (placeholders or (hook.implements_protocol(cache)
+                                                   and getattr(cache, "_awaiting_attention", False))):
+                raise RuntimeError(
+                    "a packed cache handed out placeholder keys/values, but this model's attention got them changed "
+                    "or mixed (it computes on the cache's keys/values before attention): the output would be wrong. "
+                    "Build its caches with fetch_placeholders=False (veloxquant_mlx.make_prompt_cache does so for "
+                    "the layer kinds it knows).")
+        if owner is not None and hook.implements_protocol(owner):
+            a = _fast_arguments(args, kwargs)
+            if a is None:  # an unusual call: let the signature sort it out (and raise its usual errors)
+                bound = _signature.bind(queries, keys, values, cache, *args, **kwargs)
+                bound.apply_defaults()
+                a = bound.arguments
+            sinks = a.get("sinks")
+            if sinks is None:
+                return owner.attend_packed(queries, a["scale"], a["mask"])
+            return owner.attend_packed(queries, a["scale"], a["mask"], sinks=sinks)
     return original(queries, keys, values, cache, *args, **kwargs)
 
 
@@ -270,6 +296,92 @@ def _calls_fast_sdpa_directly(module_name: str) -> bool:
     return False
 
 
+_SHAPE_ATTRIBUTES = ("shape", "dtype", "ndim", "size")
+
+
+def _fetch_reads(func: ast.AST) -> bool:
+    """Whether ``func`` (an ``ast.FunctionDef``) uses what ``... = <cache>.update_and_fetch(...)`` returned for
+    anything but the keys / values of a ``scaled_dot_product_attention`` call, its shape, or its return value."""
+    parents = {child: node for node in ast.walk(func) for child in ast.iter_child_nodes(node)}
+    for stmt in ast.walk(func):
+        if not (isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call)
+                and isinstance(stmt.value.func, ast.Attribute) and stmt.value.func.attr == "update_and_fetch"):
+            continue
+        names = {n.id for t in stmt.targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        skip = set()  # the other branch of the ``if`` holding the fetch runs instead of it
+        node = stmt
+        while node in parents:
+            parent = parents[node]
+            if isinstance(parent, ast.If) and node in parent.body:
+                skip.update(ast.walk(ast.Module(body=parent.orelse, type_ignores=[])))
+            node = parent
+        skip.update(ast.walk(stmt))  # (the fetch's own arguments and targets)
+        for use in ast.walk(func):
+            if not isinstance(use, ast.Name) or use.id not in names or use in skip or \
+                    (use.lineno, use.col_offset) <= (stmt.lineno, stmt.col_offset):
+                continue
+            if isinstance(use.ctx, ast.Store):
+                return True
+            up = parents.get(use)
+            while isinstance(up, ast.Tuple):
+                up = parents.get(up)
+            if isinstance(up, ast.keyword):
+                up = parents.get(up)
+            if isinstance(up, ast.Return):
+                continue
+            if isinstance(up, ast.Attribute) and up.attr in _SHAPE_ATTRIBUTES:
+                continue
+            callee = getattr(up, "func", None) if isinstance(up, ast.Call) else None
+            name = getattr(callee, "attr", None) or getattr(callee, "id", None)
+            if name == _NAME and use not in ast.walk(callee):
+                continue
+            return True
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def reads_fetched_arrays(module_name: str) -> bool:
+    """Whether a model module computes on what its caches' ``update_and_fetch`` returned before (or instead of)
+    mlx_lm's ``scaled_dot_product_attention``: a dtype cast, ``mx.tile`` of the heads (plamo), an attention of its
+    own (phi3small's block-sparse layers), an MLA latent. Its caches must then hand out real arrays. Read from the
+    module's source (its syntax tree: comments do not count); a module without source counts as reading them."""
+    module = sys.modules.get(module_name)
+    try:
+        tree = ast.parse(inspect.getsource(module))
+    except (TypeError, OSError, SyntaxError):
+        return True
+    return any(_fetch_reads(f) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+
+@functools.lru_cache(maxsize=None)
+def _reads_member_arrays(module_name: str) -> bool:
+    """Whether a model module reads the raw ``keys`` / ``values`` of a `CacheList` member past the first
+    (``cache[1].keys``: the sparse-attention indexers of deepseek_v32, glm_moe_dsa, minimax_m3_vl)."""
+    try:
+        tree = ast.parse(inspect.getsource(sys.modules.get(module_name)))
+    except (TypeError, OSError, SyntaxError):
+        return False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in ("keys", "values") and \
+                isinstance(node.value, ast.Subscript) and isinstance(node.value.slice, ast.Constant) and \
+                isinstance(node.value.slice.value, int) and node.value.slice.value >= 1:
+            return True
+    return False
+
+
+def _model_modules(model) -> set:
+    names = {type(model).__module__}
+    if callable(getattr(model, "modules", None)):
+        names.update(type(m).__module__ for m in model.modules())
+    return {n for n in names if n.startswith("mlx_lm.models.") and n not in ("mlx_lm.models.base",)}
+
+
+def fetches_real_arrays(model) -> bool:
+    """Whether ``model``'s caches must hand out their history as real arrays (decoded), not placeholders: an MLA
+    model (`latent_attention`) or one whose code computes on the fetched keys / values (`reads_fetched_arrays`)."""
+    return latent_attention(model) or any(reads_fetched_arrays(n) for n in _model_modules(model))
+
+
 def attention_is_routable(model) -> bool:
     """Whether ``model``'s attention goes through mlx_lm's ``scaled_dot_product_attention`` everywhere.
 
@@ -278,10 +390,7 @@ def attention_is_routable(model) -> bool:
     ``mx.fast.scaled_dot_product_attention`` directly (deepseek_v41, muse_spark, plamo2 in mlx_lm 0.32). Only then
     may caches return placeholders to it.
     """
-    names = {type(model).__module__}
-    if callable(getattr(model, "modules", None)):
-        names.update(type(m).__module__ for m in model.modules())
-    names = {n for n in names if n.startswith("mlx_lm.models.") and n not in ("mlx_lm.models.base",)}
+    names = _model_modules(model)
     # Under the lock: install / uninstall patch the modules one at a time, and a view taken half-way (base patched,
     # the model's file not yet) said "not routable", so another thread's caches were built without routing.
     with _lock:
@@ -289,6 +398,25 @@ def attention_is_routable(model) -> bool:
         holders = [n for n in names if getattr(sys.modules.get(n), _NAME, None) in targets]
     _drain()  # releases a finalizer queued while this thread held the lock
     return bool(holders) and not any(_calls_fast_sdpa_directly(n) for n in names)
+
+
+def uniform_head_dim(model) -> Optional[int]:
+    """The model's head_dim (`veloxquant_mlx.model_shape.head_dim`) when every layer's keys and values have it; None
+    for per-layer head dims (Gemma 4's global layers), MLA latents, or a model that does not say."""
+    d = model_head_dim(model)
+    if d is None or fetches_real_arrays(model):
+        return None
+    modules = model.modules() if callable(getattr(model, "modules", None)) else []
+    dims = {m.head_dim for m in modules if isinstance(getattr(m, "head_dim", None), int)}
+    return d if dims <= {d} else None
+
+
+def latent_attention(model) -> bool:
+    """Whether ``model`` has MLA layers (DeepSeek V2/V3, Kimi, GLM-4 lite, ...: an attention module with a
+    ``kv_lora_rank``): their caches hold a latent and a RoPE part from which the layer builds its keys and values,
+    so the caches must hand out real arrays."""
+    modules = model.modules() if callable(getattr(model, "modules", None)) else []
+    return any(isinstance(getattr(m, "kv_lora_rank", None), int) for m in modules)
 
 
 # -- our cache classes in mlx_lm's namespace ----------------------------------------------------------------------
@@ -393,13 +521,17 @@ class KVCacheBuilder:
         check_int("max_kv_size", max_kv_size, 1, optional=True)
         check_bool("route_attention", route_attention)
         base = _model_layout(model, max_kv_size)
-        n_layers, head_dim = len(base), model_head_dim(model)
+        n_layers, head_dim = len(base), uniform_head_dim(model)
+        # a model without one head_dim (per-layer head dims, MLA latents): each cache reads its own at its first update
         per_layer = [self.options.for_layer(i, n_layers, head_dim) for i in range(n_layers)]  # validates first
         per_layer = self._calibrated(model, per_layer)
-        if head_dim is not None:  # a codec that cannot take this head_dim says so now, not at the first update
+        if head_dim is not None:  # options no layout can take at this head_dim say so now, not at the first update
             for opts in {o.layer_options() for o in per_layer if o.kind == "packed"}:
-                codec_layout(opts.codec).keys.from_options(opts, "keys", head_dim)
-        placeholders = attention_is_routable(model)
+                opts.for_dims(head_dim, head_dim)
+        # MLA layers compute on the fetched latent before attention: they fetch decoded arrays
+        placeholders = attention_is_routable(model) and not fetches_real_arrays(model)
+        # the members a model reads raw (indexer keys) stay mlx_lm's
+        self._raw_members = any(_reads_member_arrays(n) for n in _model_modules(model))
         caches = [self._convert(c, per_layer[i], placeholders) for i, c in enumerate(base)]
         if route_attention and placeholders:
             for cache in caches:
@@ -409,7 +541,8 @@ class KVCacheBuilder:
 
     def _convert(self, cache, options, placeholders: bool = True):
         if type(cache) is mlx_cache.CacheList:
-            return mlx_cache.CacheList(*(self._convert(c, options, placeholders) for c in cache.caches))
+            return mlx_cache.CacheList(*(c if i and getattr(self, "_raw_members", False) else
+                                         self._convert(c, options, placeholders) for i, c in enumerate(cache.caches)))
         convert = CACHE_KINDS.get(type(cache))
         return cache if convert is None else convert(cache, options, placeholders)  # SSM / arrays: the model's own
 
@@ -465,6 +598,53 @@ def make_prompt_cache(model, config=None, *, max_kv_size: Optional[int] = None, 
                                     calibration=calibration, **options)
 
 
+# -- what was compressed -----------------------------------------------------------------------------------------
+
+# mlx_lm's caches that hold attention keys and values but no conversion exists for, and why
+_PLAIN_REASONS: Dict[type, str] = {
+    mlx_cache.ChunkedKVCache: "chunked attention (ChunkedKVCache) is not compressed yet",
+    mlx_cache.ConcatenateKVCache: "a concatenating cache (ConcatenateKVCache) is not compressed",
+    mlx_cache.QuantizedKVCache: "already mlx_lm's quantized cache",
+    # (the only KVCache the builder leaves: a CacheList member the model reads raw, `_reads_member_arrays`)
+    mlx_cache.KVCache: "a sparse-attention indexer's keys, which the model reads as raw arrays",
+}
+
+
+def cache_report(caches) -> List[Tuple[str, str]]:
+    """What each entry of a cache list holds (`CacheList` entries flattened): ``("compressed", class name)``,
+    ``("state", class name)`` for SSM / linear-attention state (nothing to compress), or ``("plain", reason)``
+    for attention keys and values left uncompressed."""
+    out: List[Tuple[str, str]] = []
+    for c in caches:
+        if isinstance(c, mlx_cache.CacheList):
+            out.extend(cache_report(c.caches))
+        elif isinstance(c, CACHE_CLASSES):
+            out.append(("compressed", type(c).__name__))
+        elif isinstance(c, mlx_cache.ArraysCache):
+            out.append(("state", type(c).__name__))
+        else:
+            reason = next((r for cls, r in _PLAIN_REASONS.items() if type(c) is cls), None)
+            out.append(("plain", reason or f"{type(c).__name__} is a cache kind veloxquant does not know"))
+    return out
+
+
+def coverage_line(model, caches) -> Optional[str]:
+    """One line when ``caches`` leave attention keys and values plain (or compress nothing); None when every
+    attention cache is compressed."""
+    report = cache_report(caches)
+    plain = [what for kind, what in report if kind == "plain"]
+    n = sum(kind == "compressed" for kind, _ in report)
+    name = getattr(model, "model_type", None) or getattr(getattr(model, "args", None), "model_type", None) or \
+        type(model).__module__.rsplit(".", 1)[-1]
+    if not plain and n:
+        return None
+    if not plain:
+        return (f"veloxquant_mlx: {name} has no attention keys and values to compress (its {len(report)} caches "
+                "hold recurrent state): its caches are mlx_lm's own")
+    reasons = "; ".join(f"{plain.count(r)} x {r}" for r in dict.fromkeys(plain))
+    return f"veloxquant_mlx: {name}: {n} attention caches compressed, {len(plain)} left plain ({reasons})"
+
+
 # -- enable / disable ---------------------------------------------------------------------------------------------
 
 _MISSING = object()
@@ -483,7 +663,9 @@ def enable(model, config=None, *, calibration=None, **options):
     if not hasattr(model, "layers"):
         raise TypeError(f"model must be an mlx_lm model with .layers, got {type(model).__name__}")
     builder = KVCacheBuilder(config, calibration=calibration, **options)
-    builder.build(model)  # refuse bad options now, not at the first generate
+    line = coverage_line(model, builder.build(model))  # refuse bad options now, not at the first generate
+    if line is not None:
+        warnings.warn(line, stacklevel=2)
 
     def make_cache():
         return builder.build(model)

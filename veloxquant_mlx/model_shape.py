@@ -1,12 +1,13 @@
 """The attention shape of an mlx_lm model: layers, KV heads, head_dim. The one place that reads it.
 
 Read from ``model.args`` (mlx_lm's ``ModelArgs``: ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``,
-``hidden_size``) and, for the heads a rank really holds after tensor-parallel sharding, from the layers' attention
-modules (``n_kv_heads``). Used by the cache builder (:mod:`veloxquant_mlx.integration`), the evaluation's memory
-measurements and the distributed helpers.
+``hidden_size``; a multimodal or hybrid wrapper's text model args, see `text_args`) and, for the heads a rank
+really holds after tensor-parallel sharding, from the layers' attention modules (``n_kv_heads``). Used by the cache
+builder (:mod:`veloxquant_mlx.integration`), the evaluation's memory measurements and the distributed helpers.
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Optional, Tuple
 
 
@@ -17,18 +18,43 @@ def _positive_int(value) -> Optional[int]:
     return value if value > 0 else None
 
 
-def attention_heads(model) -> Tuple[Optional[int], Optional[int]]:
-    """``(query heads, KV heads)`` from ``model.args`` (KV heads default to the query heads); None where unknown."""
+def text_args(model):
+    """The args that state the text model's attention shape: ``model.args``, or for a wrapper whose top-level
+    args only hold a ``text_config`` (qwen3_5, qwen2_vl, mistral3, llama4...: multimodal or hybrid checkpoints
+    as mlx_lm loads them) its language model's args, else that ``text_config`` itself."""
     args = getattr(model, "args", None)
+    if args is None or getattr(args, "num_attention_heads", None) is not None:
+        return args
+    inner = getattr(getattr(model, "language_model", None), "args", None)
+    if inner is not None and getattr(inner, "num_attention_heads", None) is not None:
+        return inner
+    text = getattr(args, "text_config", None)
+    if isinstance(text, dict) and text.get("num_attention_heads") is not None:
+        return SimpleNamespace(**text)
+    if text is not None and getattr(text, "num_attention_heads", None) is not None:
+        return text
+    return args
+
+
+def vocab_size(model) -> Optional[int]:
+    """The vocabulary size the model's args state (its text model's for a wrapper), else None."""
+    n = _positive_int(getattr(getattr(model, "args", None), "vocab_size", None))
+    return n if n is not None else _positive_int(getattr(text_args(model), "vocab_size", None))
+
+
+def attention_heads(model) -> Tuple[Optional[int], Optional[int]]:
+    """``(query heads, KV heads)`` from the model's args (`text_args`; KV heads default to the query heads);
+    None where unknown."""
+    args = text_args(model)
     heads = _positive_int(getattr(args, "num_attention_heads", None))
     kv = _positive_int(getattr(args, "num_key_value_heads", None)) or heads
     return heads, kv
 
 
 def head_dim(model) -> Optional[int]:
-    """head_dim from ``model.args``: an explicit ``head_dim``, else ``hidden_size // num_attention_heads`` when it
-    divides; None when the model says neither."""
-    args = getattr(model, "args", None)
+    """head_dim from the model's args (`text_args`): an explicit ``head_dim``, else ``hidden_size //
+    num_attention_heads`` when it divides; None when the model says neither."""
+    args = text_args(model)
     explicit = _positive_int(getattr(args, "head_dim", None))
     if explicit is not None:
         return explicit

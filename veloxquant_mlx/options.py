@@ -13,6 +13,7 @@ gave (a preset name, a `CacheOptions`, a `KVCacheConfig` or None, plus keyword o
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
@@ -184,6 +185,12 @@ class CacheOptions:
             changes["head_dim"] = head_dim
         return dataclasses.replace(self, **changes) if changes else self
 
+    def for_dims(self, k_dim: int, v_dim: int) -> "CacheOptions":
+        """These (one layer's) options for keys / values of head dims ``k_dim`` / ``v_dim``: unchanged when the
+        codec's layout takes them; else the layout's default group size; else Lloyd-Max codes at the same bits,
+        which take any head_dim (`adapted_reason` says why). ValueError when nothing fits."""
+        return _for_dims(self.layer_options(), int(k_dim), int(v_dim))
+
     def layer_options(self) -> "CacheOptions":
         """These options as one layer's (v_bits resolved); ValueError if bits are still per layer."""
         if isinstance(self.k_bits, tuple) or isinstance(self.v_bits, tuple):
@@ -228,6 +235,50 @@ class CacheOptions:
             raise ValueError("kv_config() describes one layer: these options hold per-layer bits")
         return KVCacheConfig(bit_width_inlier=self.k_bits, v_bits=self.v_bits,
                              **{name: getattr(self, name) for name in self._KV_FIELDS})
+
+
+def _fits(options: "CacheOptions", k_dim: int, v_dim: int) -> Optional[str]:
+    """None when ``options``' layout codes keys of ``k_dim`` and values of ``v_dim`` coordinates, else why not."""
+    layout = codec_layout(options.codec)
+    try:
+        layout.keys.from_options(options, "keys", k_dim)
+        layout.values.from_options(options, "values", v_dim)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@functools.lru_cache(maxsize=512)
+def _for_dims(options: "CacheOptions", k_dim: int, v_dim: int) -> "CacheOptions":
+    why = _fits(options, k_dim, v_dim)
+    if why is None:
+        return options
+    candidates = []
+    if options.group_size is not None:
+        candidates.append(dataclasses.replace(options, group_size=None))
+    bits = codec_layout("lloyd_max").keys.BITS
+    if options.k_bits in bits and options.value_bits in bits:
+        method = options.method if options.method in ("turboquant_mse", "turboquant_prod") else "turboquant_mse"
+        try:
+            candidates.append(dataclasses.replace(options, codec="lloyd_max", method=method, group_size=None,
+                                                  jl_dim=options.jl_dim if method == "turboquant_prod" else None))
+        except ValueError:
+            pass
+    for candidate in candidates:
+        if _fits(candidate, k_dim, v_dim) is None:
+            return candidate
+    raise ValueError(f"codec={options.codec!r} cannot code keys / values of head dims {k_dim} / {v_dim} ({why}), "
+                     "and no other layout at the same bits can")
+
+
+def adapted_reason(options: "CacheOptions", adapted: "CacheOptions", k_dim: int, v_dim: int) -> Optional[str]:
+    """One line saying how `CacheOptions.for_dims` changed ``options`` for these head dims (None: unchanged)."""
+    if adapted == options:
+        return None
+    dims = f"head_dim {k_dim}" if k_dim == v_dim else f"key / value dims {k_dim} / {v_dim}"
+    if adapted.codec != options.codec:
+        return f"{dims}: codec {options.codec!r} cannot take it, coded with 'lloyd_max' at the same bits"
+    return f"{dims}: group_size {options.group_size} does not divide it, the layout's default used"
 
 
 # -- named presets and the default ---------------------------------------------------------------------------------

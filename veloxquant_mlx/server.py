@@ -35,6 +35,7 @@ from .calibration.file import Calibration
 from .eval.specs import method_names, resolve_spec, with_calibration
 from .integration import use_packed_attention
 from .models import ModelPackageMissing, load_model, max_context
+from .model_shape import vocab_size as model_vocab_size
 from .options import DEFAULT_NAME
 
 logger = logging.getLogger("veloxquant_mlx.server")
@@ -175,6 +176,7 @@ class Limits:
     max_body_bytes: int = 8 << 20
     tokenizer: Any = None  # a private copy: handler threads count long prompts with it, under the lock
     lock: Any = field(default_factory=threading.Lock)
+    context_declared: bool = True  # False: max_context is only a sanity bound (the model states no context)
 
 
 MAX_DEPTH = 64  # JSON nesting; deeper bodies are refused before anything recurses over them
@@ -298,6 +300,13 @@ def check_request(body: Any, endpoint: str, limits: Limits) -> dict:
             _fail(f"{name} must be {what}, got {_show(body[name])}", name)
     if body.get("model", "default_model") not in limits.model_names + ("default_model",):
         _fail(f"model {_show(body['model'])} is not served here; served: {', '.join(limits.model_names)}", "model", 404)
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = body.get(name)
+        # past the model's context: said as such (the prompt takes at least one of its positions)
+        if limits.context_declared and not isinstance(value, bool) and isinstance(value, int) and \
+                value >= limits.max_context:
+            _fail(f"{name} must be at most {limits.max_context - 1}: this model's context is {limits.max_context} "
+                  f"tokens, prompt included; got {value}", name)
     for name, (kind, low, high) in numeric_rules(limits).items():
         if name in body:
             body[name] = _number(name, body[name], kind, low, high)
@@ -436,6 +445,11 @@ def start_server(args: argparse.Namespace, *, model=None, tokenizer=None, port: 
     spec = resolve_spec(args.method, args.bits)  # a bad --method fails before the model loads
     if model is None:
         model, tokenizer = load_model(args.model)
+    context = max_context(model)  # max_position_embeddings or the like; None: the model does not say
+    default_tokens = getattr(args, "max_tokens", None)  # what a request without max_tokens gets
+    if context is not None and isinstance(default_tokens, int) and default_tokens >= context:
+        raise ValueError(f"--max-tokens must be at most {context - 1}: this model's context is {context} tokens, "
+                         f"prompt included; got {default_tokens}")
     group = mx.distributed.init()  # one rank unless launched with mlx.launch
     shard(model, group, pipeline=args.pipeline)
     # (bytes per token do not depend on channel weights: measured on random tokens with the uncalibrated caches)
@@ -453,8 +467,10 @@ def start_server(args: argparse.Namespace, *, model=None, tokenizer=None, port: 
                 f"over {fp['layers']} layers (plain KVCache {fp['plain_bytes_per_token']:.0f}: {ratio:.2f}x smaller), "
                 "measured as `veloxquant methods` measures")
     logger.info(f"concurrent requests: {'batched' if batching[0] else 'answered one after another'} ({batching[1]})")
-    limits = Limits(int(model.args.vocab_size), max_context(model) or 1 << 20, (str(args.model),), args.max_body_bytes,
-                    copy.deepcopy(tokenizer))
+    # a wrapper's (qwen3_5, *_vl) vocab_size is in its text config; the tokenizer's size when no args state it
+    vocab = model_vocab_size(model) or len(tokenizer.vocab)
+    limits = Limits(vocab, context or 1 << 20, (str(args.model),), args.max_body_bytes,
+                    copy.deepcopy(tokenizer), context_declared=context is not None)
     provider = ServedModelProvider(_mlx_namespace(args), ServedModel(model, make_cache), tokenizer, batching[0])
     with contextlib.ExitStack() as stack:  # undone at once if anything fails to start
         stack.enter_context(use_packed_attention())  # our caches attend from their codes until close()

@@ -17,12 +17,15 @@ arrays; mlx_lm >= 0.32 calls ``from_state(state)`` only) and `from_state` refuse
 """
 from __future__ import annotations
 
+import collections
 import json
+import warnings
 from functools import lru_cache
 from typing import Any, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from veloxquant_mlx.attention import hook as _hook
@@ -86,6 +89,9 @@ class _PackedFace(PipelineDependency, _BaseCache):
     """What every packed cache shares: the options, the rows, bytes, copies."""
 
     window = None  # (max_size, keep) of a sliding window
+    # Its placeholders are its own (`hook.owned_placeholders`): the routing attends from the codes only when attention
+    # gets them (real arrays, e.g. fetched decoded, go to mlx_lm's own attention).
+    owns_placeholders = True
 
     k_bits = property(lambda self: self.options.k_bits)
     v_bits = property(lambda self: self.options.v_bits)
@@ -209,6 +215,8 @@ class TurboQuantPackedCache(_PackedFace):
             if self.options.head_dim is not None and self.options.head_dim != keys.shape[-1]:
                 raise ValueError(f"keys have head_dim {keys.shape[-1]}, but the cache was set up for "
                                  f"head_dim={self.options.head_dim}")
+            # a layout that takes these head dims (the codec's own where it can): decided once, kept in the state
+            self.options = rows.options = self.options.for_dims(keys.shape[-1], values.shape[-1])
         elif tuple(keys.shape[:2]) != (rows.B, rows.heads):
             raise ValueError(f"keys have (B, H) = {tuple(keys.shape[:2])}, but this cache holds {(rows.B, rows.heads)}")
         self._check_codable(keys, values)
@@ -220,13 +228,28 @@ class TurboQuantPackedCache(_PackedFace):
                 "fetch_placeholders=False.")
         keys, values = self._weigh(*self._after_dependency(keys, values))
         rows.append(keys, values)
+        self._dtypes = (keys.dtype, values.dtype)
         if self.fetch_placeholders and _hook.is_active():
             n = self._stored()
             self._awaiting_attention = True
-            return (_hook.placeholder_history((rows.B, rows.heads, n, rows.dims[0]), keys.dtype),
-                    _hook.placeholder_history((rows.B, rows.heads, n, rows.dims[1]), values.dtype))
+            return _hook.owned_placeholders(self, (rows.B, rows.heads, n, rows.dims[0]),
+                                            (rows.B, rows.heads, n, rows.dims[1]), keys.dtype, values.dtype)
         self._awaiting_attention = False
         return self._fetch(keys.dtype)
+
+    def keys_and_values(self):
+        """The stored history ``(B, H, n, d)``, as `update_and_fetch` last returned it: placeholders while attention is
+        routed to the codes (a layer reading another layer's keys and values, gemma3n's, then attends from them),
+        else decoded."""
+        if self.empty():
+            raise ValueError("keys_and_values needs a cache holding tokens (call update_and_fetch first)")
+        k_dtype, v_dtype = getattr(self, "_dtypes", (mx.float32, mx.float32))
+        if self.fetch_placeholders and _hook.is_active():
+            r, n = self.rows, self._stored()
+            return _hook.owned_placeholders(self, (r.B, r.heads, n, r.dims[0]), (r.B, r.heads, n, r.dims[1]),
+                                            k_dtype, v_dtype)
+        return self._fetch(k_dtype) if k_dtype == v_dtype else \
+            (self._fetch(k_dtype)[0], self._fetch(v_dtype)[1])
 
     def _check_codable(self, keys: mx.array, values: mx.array) -> None:
         """Refuse an update that would code a non-finite token with a layout coding keys (or values) per channel
@@ -311,7 +334,11 @@ class TurboQuantPackedCache(_PackedFace):
 
     @classmethod
     def merge(cls, caches):
-        """mlx_lm's batching: per-sequence caches -> one `TurboQuantBatchPackedCache` (every sequence stays packed)."""
+        """mlx_lm's batching: per-sequence caches -> one `TurboQuantBatchPackedCache` (every sequence stays packed);
+        caches that hand out real arrays (`_merge_decoded`) -> mlx_lm's own batch cache."""
+        caches = list(caches)
+        if any(isinstance(c, TurboQuantPackedCache) and not c.fetch_placeholders for c in caches):
+            return _merge_decoded(caches, mlx_cache.KVCache, mlx_cache.BatchKVCache)
         return TurboQuantBatchPackedCache.merge(caches)
 
     # -- bytes and state --------------------------------------------------------------------------
@@ -370,7 +397,13 @@ class TurboQuantRotatingPackedCache(TurboQuantPackedCache):
 
     @classmethod
     def merge(cls, caches):
-        """mlx_lm's batching: per-sequence windows -> one `TurboQuantBatchRotatingPackedCache` (each evicts its own)."""
+        """mlx_lm's batching: per-sequence windows -> one `TurboQuantBatchRotatingPackedCache` (each evicts its own);
+        windows that hand out real arrays -> mlx_lm's own (`_merge_decoded`)."""
+        caches = list(caches)
+        if any(isinstance(c, TurboQuantPackedCache) and not c.fetch_placeholders for c in caches):
+            window = caches[0].window
+            return _merge_decoded(caches, lambda: mlx_cache.RotatingKVCache(max_size=window[0], keep=window[1]),
+                                  mlx_cache.BatchRotatingKVCache)
         return TurboQuantBatchRotatingPackedCache.merge(caches)
 
     def size(self) -> int:
@@ -393,6 +426,23 @@ class TurboQuantRotatingPackedCache(TurboQuantPackedCache):
             size = self.offset + 1 if self.offset < self.max_size else self.max_size
             return mx.arange(size) >= (size - window_size)
         return None
+
+
+def _merge_decoded(caches, make_single, batch_class):
+    """Caches built to hand out real arrays (a model that computes on its fetched keys / values: MLA latents,
+    `veloxquant_mlx.integration.fetches_real_arrays`) cannot batch from their codes (a batch attends from them only):
+    their decoded histories go into mlx_lm's own batch cache, plain while batched (a warning says so)."""
+    plain = []
+    for c in caches:
+        single = make_single()
+        if isinstance(c, TurboQuantPackedCache) and not c.empty():
+            single.update_and_fetch(*c._fetch(getattr(c, "_dtypes", (mx.float32,))[0]))
+        elif not isinstance(c, TurboQuantPackedCache):
+            single = c
+        plain.append(single)
+    warnings.warn("veloxquant_mlx: this model computes on its caches' keys / values (an MLA latent, say), so its "
+                      f"caches batch as mlx_lm's {batch_class.__name__}: uncompressed while batched", stacklevel=3)
+    return batch_class.merge(plain)
 
 
 def _trim_rows(rows: Rows, counts: List[int]) -> Rows:
@@ -429,6 +479,24 @@ def _folded_part_masks(rows: Rows):
 
 
 _ONE_TOKEN = (1, None, None, None)  # `_chunk` after a decode step: only its length is read
+
+# Masks a batch cache's `make_mask` made for a sliding window of another size than its own (a full-attention cache
+# under a window mask: mistral3; a window mask one wider than the cache: plamo3): id -> (mask, window). The model
+# hands the same mask object to every layer of that kind; their caches look the window up here. A few entries:
+# one forward pass makes one per window size.
+_window_masks: "collections.OrderedDict[int, tuple]" = collections.OrderedDict()
+
+
+def _window_mask(mask, window: int):
+    _window_masks[id(mask)] = (mask, window)
+    while len(_window_masks) > 8:
+        _window_masks.popitem(last=False)
+    return mask
+
+
+def _requested_window(mask) -> Optional[int]:
+    hit = _window_masks.get(id(mask)) if mask is not None else None
+    return hit[1] if hit is not None and hit[0] is mask else None
 
 
 class TurboQuantBatchPackedCache(_PackedFace):
@@ -535,11 +603,18 @@ class TurboQuantBatchPackedCache(_PackedFace):
         self._set_offset()
         return self._placeholders(keys.dtype, values.dtype)
 
+    def keys_and_values(self):
+        """Placeholders of the stored history (as `update_and_fetch` returned them): attention reads the codes."""
+        if self.rows.dims is None:
+            raise ValueError("keys_and_values needs a cache holding tokens (call update_and_fetch first)")
+        return self._placeholders(*getattr(self, "_dtypes", (mx.float32, mx.float32)))
+
     def _placeholders(self, k_dtype, v_dtype):
         r = self.rows
+        self._dtypes = (k_dtype, v_dtype)
         N = sum(r.part_sizes())
-        return (_hook.placeholder_history((r.B, r.heads, N, r.dims[0]), k_dtype),
-                _hook.placeholder_history((r.B, r.heads, N, r.dims[1]), v_dtype))
+        return _hook.owned_placeholders(self, (r.B, r.heads, N, r.dims[0]), (r.B, r.heads, N, r.dims[1]), k_dtype,
+                                        v_dtype)
 
     # -- attention ------------------------------------------------------------------------------------
     def attention_parts(self) -> List[Any]:
@@ -555,8 +630,16 @@ class TurboQuantBatchPackedCache(_PackedFace):
         B, Hq, L, d = queries.shape
         if B != r.B:
             raise ValueError(f"queries have batch size {B}, but this cache holds {r.B} sequences")
+        window = _requested_window(mask)
         if L > 1:
-            return self._attend_chunk(queries, scale, sinks)
+            return self._attend_chunk(queries, scale, sinks, window)
+        if window is not None and any(n > window for n in self._stored_counts()):
+            # a window narrower than what some row stores: each row alone, its newest `window` tokens
+            outs = []
+            for i, n in enumerate(self._stored_counts()):
+                m = mx.arange(n) >= n - window if n > window else None
+                outs.append(packed_attention(queries[i:i + 1], self.rows.row_parts(i), scale, m, sinks=sinks))
+            return mx.concatenate(outs, axis=0)
         if B == 1:  # one sequence: nothing to fold, and no pad slot unless its tail has some or it evicted
             return attend_one_query(queries, r.row_parts(0), scale, sinks)
         if sinks is not None:
@@ -565,7 +648,11 @@ class TurboQuantBatchPackedCache(_PackedFace):
                                _folded_part_masks(r))
         return out.reshape(B, Hq, 1, out.shape[-1])
 
-    def _attend_chunk(self, queries: mx.array, scale: float, sinks) -> mx.array:
+    def _stored_counts(self) -> List[int]:
+        r = self.rows
+        return [r.sink_n[i] + r.coded[i] - r.gone[i] + r.tail_n[i] for i in range(r.B)]
+
+    def _attend_chunk(self, queries: mx.array, scale: float, sinks, window: Optional[int] = None) -> mx.array:
         """A prompt chunk, one sequence at a time (prefill, not the decode step): each row's real queries against
         its own parts, causal, exactly as alone; pad queries get zeros."""
         if self._chunk is None:
@@ -581,28 +668,32 @@ class TurboQuantBatchPackedCache(_PackedFace):
             o = None
             if n:
                 o = packed_attention(queries[i:i + 1, :, a:a + n], self.rows.row_parts(i), scale,
-                                     self._chunk_mask(n, before[i]), sinks=sinks)
+                                     self._chunk_mask(n, before[i], window), sinks=sinks)
             pad = T - a - n
             pieces = [x for x in (mx.zeros((1, Hq, a, dv), queries.dtype) if a else None, o,
                                   mx.zeros((1, Hq, pad, dv), queries.dtype) if pad else None) if x is not None]
             outs.append(pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2))
         return mx.concatenate(outs, axis=0)
 
-    def _chunk_mask(self, n: int, before: int):
-        """The mask of a row's ``n`` real queries after ``before`` tokens, as its cache alone gets it from mlx_lm."""
-        if self.window is not None:
-            offset = min(self.window[0] - 1, before)
-            if n > 1 and offset + n > self.window[0]:
-                return create_causal_mask(n, offset, window_size=self.window[0])
+    def _chunk_mask(self, n: int, before: int, window: Optional[int] = None):
+        """The mask of a row's ``n`` real queries after ``before`` tokens, as its cache alone gets it from mlx_lm
+        (``window``: a window mask the model asked for, else the cache's own)."""
+        offset = before if self.window is None else min(self.window[0] - 1, before)
+        window = window or (self.window[0] if self.window is not None else None)
+        if window is not None and n > 1 and offset + n > window:
+            return create_causal_mask(n, offset, window_size=window)
         return "causal" if n > 1 else None
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None, **kwargs):
-        # attend_packed builds each row's mask itself; mlx_lm gets the mask it expects for the longest row.
+        # attend_packed builds each row's mask itself; mlx_lm gets the mask it expects for the longest row. A
+        # window of another size than the cache's own is remembered with the mask (`_requested_window`).
+        if window_size is not None:
+            check_int("window_size", window_size, 1)
+        n = max(self.lengths, default=0)
         if window_size not in (None, *(self.window or ())[:1]):
-            raise ValueError(f"window_size must be None{' or max_size' if self.window else ''} for "
-                             f"{type(self).__name__}, got {window_size}")
+            return _window_mask(create_causal_mask(N, n, window_size=window_size), window_size)
         if return_array:
-            return create_causal_mask(N, max(self.lengths, default=0))
+            return create_causal_mask(N, n)
         return None if N == 1 else "causal"
 
     # -- leaving, joining, handing back, trimming ------------------------------------------------------

@@ -226,6 +226,7 @@ class Rows:
         if self.options.head_dim is not None and self.options.head_dim != k_dim:
             raise ValueError(f"keys have head_dim {k_dim}, but the cache was set up for "
                              f"head_dim={self.options.head_dim}")
+        self.options = self.options.for_dims(k_dim, v_dim)  # (as the cache's first update decided: the same)
         self.base, layouts, _ = _layouts(self.options, (k_dim, v_dim), heads)
         self.dims, self.heads = (k_dim, v_dim), heads
         # With block keys, values arrive a whole block at a time: growing by one block keeps their store exactly

@@ -38,9 +38,9 @@ CPU_PACKED_ROWS_SCORES = 12
 CPU_PACKED_ROWS_VALUES = 32
 
 
-def default_group_size(d: int) -> int:
-    """64, or d itself when the head is narrower (32); the group must divide d."""
-    return 64 if d >= 64 else d
+def default_group_size(d: int) -> Optional[int]:
+    """The first of 64, 128, 32 (mx.quantize's group sizes) that divides d (96 -> 32); None when none does."""
+    return next((g for g in (64, 128, 32) if d % g == 0), None)
 
 
 class AffineRotatedCodec(PerTokenLayout):
@@ -56,6 +56,7 @@ class AffineRotatedCodec(PerTokenLayout):
     BITS = AFFINE_BITS
     OUTLIERS = False
     GROUP_SIZES = AFFINE_GROUP_SIZES
+    GROUPS_ALONG_D = True  # groups of coordinates (a per-token layout); block layouts group tokens instead
 
     def __init__(self, d: int, bits: int, group_size: Optional[int] = None, *, seed: int = 0,
                  rotation: str = "haar", center: bool = True, scale_dtype: str = "float16"):
@@ -63,10 +64,16 @@ class AffineRotatedCodec(PerTokenLayout):
         check_int("seed", seed, 0)
         if check_int("bits", bits) not in AFFINE_BITS:
             raise ValueError(f"bits must be one of {AFFINE_BITS} (mx.quantize), got {bits}")
-        group_size = default_group_size(d) if group_size is None else check_int("group_size", group_size)
+        if group_size is None:
+            # (a token block: 64, or 32 for a 32-wide head, as ever; any head_dim takes it)
+            group_size = default_group_size(d) if self.GROUPS_ALONG_D else (32 if d == 32 else 64)
+            if group_size is None:
+                raise ValueError(f"d={d} has no mx.quantize group size dividing it (one of {AFFINE_GROUP_SIZES}): "
+                                 "affine codes per token need a head_dim that is a multiple of 32")
+        group_size = check_int("group_size", group_size)
         if group_size not in AFFINE_GROUP_SIZES:
             raise ValueError(f"group_size must be one of {AFFINE_GROUP_SIZES} (mx.quantize), got {group_size}")
-        if d % group_size:
+        if self.GROUPS_ALONG_D and d % group_size:
             raise ValueError(f"d must be a positive multiple of group_size={group_size}, got d={d}")
         check_choice("rotation", rotation, ROTATION_KINDS)
         self.center = check_bool("center", center)

@@ -34,9 +34,10 @@ CPU_PACKED_ROWS_SCORES = 32
 
 
 class AffineBlockKeyCodec(AffineRotatedCodec):
-    """``K^T`` codes per channel over blocks of ``block`` tokens (32, 64 or 128, dividing d; default 64)."""
+    """``K^T`` codes per channel over blocks of ``block`` tokens (32, 64 or 128; default 64; any head_dim)."""
 
     BLOCKED = True  # codes whole blocks of tokens: a sliding window cannot evict one token
+    GROUPS_ALONG_D = False  # groups run along tokens: any head_dim
 
     def __init__(self, d: int, bits: int, block: Optional[int] = None, **kwargs):
         super().__init__(d, bits, block, **kwargs)

@@ -57,6 +57,7 @@ from veloxquant_mlx.core.constants import CACHE_GROWTH_STEP, INT8_MAX
 from veloxquant_mlx.core.context import EncodedVector
 from veloxquant_mlx.outlier.detector import OutlierDetector
 from veloxquant_mlx.quantizers import QUANTIZERS
+from veloxquant_mlx.quantizers._common import to_output_dtype
 
 
 def _int8_absmax(x: mx.array) -> tuple[mx.array, mx.array]:
@@ -393,7 +394,9 @@ class TurboQuantKVCache(KVCache):
         # Fold the per-token value scale into the weights: (m, n) @ (n, d) on the raw int8 codes.
         weights = probs * self._v["scales"][:n].astype(mx.float32)
         out = weights @ self._v["codes"][:n].astype(mx.float32)  # (m, d)
-        out = out.astype(self.storage_dtype)
+        # A float16 value near its max comes back as 127 * its rounded-up scale (65504 -> 65532), past float16's
+        # range: clipped to the values' dtype's finite range rather than cast to inf.
+        out = to_output_dtype(out, self._storage_dtype_name)
         return out[0] if single else out
 
     def keys(self) -> mx.array:

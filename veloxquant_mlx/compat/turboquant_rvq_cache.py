@@ -39,6 +39,7 @@ from veloxquant_mlx.codecs.lloyd_max import get_quantizer
 from veloxquant_mlx.config import KVCacheConfig
 from veloxquant_mlx.core.context import EncodedVector
 from veloxquant_mlx.dsa.bit_pack import packed_words
+from veloxquant_mlx.quantizers._common import to_output_dtype
 from veloxquant_mlx.validate import check_heads
 
 _FIELDS = ("indices", "indices2", "norms", "values")  # the state's order: packed1, packed2, norms, values
@@ -220,7 +221,11 @@ class TurboQuantRVQKVCache(KVCache):
             norms=live["norms"],
             dtype_name="float32",
         )
-        return self._quantizer.decode(ev).astype(dtype), live["values"].astype(dtype)
+        # The float32 reconstruction of a key near float16's max can overshoot it by the quantization error
+        # (6e4 coordinates come back as ~7.8e4): cast as is, that key would be inf. Clipped to the fetch dtype's
+        # finite range instead (float32 and bfloat16 hold the overshoot).
+        keys = to_output_dtype(self._quantizer.decode(ev), str(dtype).rsplit(".", 1)[-1])
+        return keys, live["values"].astype(dtype)
 
     # -- protocol ---------------------------------------------------------------------------------
     def keys_and_values(self):

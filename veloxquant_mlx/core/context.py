@@ -9,9 +9,15 @@ The seed's view is offered too: ``ev.indices`` reads as ``(..., d)`` code indice
 with the seed's fields (``quantizer_type, batch_size, dim, indices, signs, residual_norm``). Which form a
 stream was given in is told by its shape: packed words are uint32 with fewer than ``d`` entries (b <= 8
 bits fill ceil(d*b/32) < d words for d >= 2); code indices have exactly ``d``.
+
+As the seed's was, an EncodedVector is a dataclass: ``dataclasses.replace(ev, norms=...)`` builds a new one through
+the checking constructor (the array fields read in the seed's unpacked view), and the array fields can be assigned.
+The quantizers check the whole EncodedVector again before they decode it (`EncodedVector.check`), so a damaged
+one is refused naming the field, never read until MLX fails on it.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -23,22 +29,29 @@ from veloxquant_mlx.dsa.bit_pack import packed_words, unpack
 _ARRAY_FIELDS = ("indices", "norms", "signs", "residual_norm", "indices2")
 
 
-def _as_array(value, name: str):
+def _as_array(value, name: str, owner: str = "EncodedVector"):
     if value is None or isinstance(value, mx.array):
         return value
     if isinstance(value, np.ndarray):
         return mx.array(value)
-    raise TypeError(f"EncodedVector.{name} must be an mx.array, a numpy array or None, got {type(value).__name__}")
+    raise TypeError(f"{owner}.{name} must be an mx.array, a numpy array or None, got {type(value).__name__}")
 
 
-def _check_bits(value, name: str, lo: int):
+def _is_int(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, np.integer))
+
+
+def _check_bits(value, name: str, lo: int, owner: str = "EncodedVector"):
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not lo <= int(value) <= 8:
-        raise ValueError(f"EncodedVector.{name} must be an int in {lo}..8 or None, got {value!r}")
+    if not _is_int(value) or not lo <= int(value) <= 8:
+        raise ValueError(f"{owner}.{name} must be an int in {lo}..8 or None, got {value!r}")
     return int(value)
 
 
+# A dataclass as the seed's was (``dataclasses.replace`` and ``fields`` work), with the checking constructor below:
+# init=False keeps it, eq/repr stay ours. The array fields are properties (packed storage, the seed's view on read).
+@dataclasses.dataclass(init=False, repr=False, eq=False)
 class EncodedVector:
     """Packed TurboQuant codes for a batch of ``dim``-dimensional vectors.
 
@@ -56,44 +69,79 @@ class EncodedVector:
             in the seed's unpacked view. n_signs: the sketch length m, likewise for packed ``signs``.
     """
 
+    quantizer_type: str
+    dim: int
+    indices: Optional[mx.array]
+    norms: Optional[mx.array]
+    signs: Optional[mx.array]
+    residual_norm: Optional[mx.array]
+    indices2: Optional[mx.array]
+    dtype_name: str
+    bits: Optional[int]
+    n_signs: Optional[int]
+
     def __init__(self, quantizer_type: str, dim: int, indices=None, norms=None, signs=None,
                  residual_norm=None, indices2=None, dtype_name: str = "float32", *,
                  batch_size: Optional[int] = None, bits: Optional[int] = None, n_signs: Optional[int] = None):
-        if not isinstance(quantizer_type, str):
-            raise TypeError(f"EncodedVector.quantizer_type must be a str, got {type(quantizer_type).__name__}")
-        if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or dim < 1:
-            raise ValueError(f"EncodedVector.dim must be an int >= 1, got {dim!r}")
-        if not isinstance(dtype_name, str) or not isinstance(getattr(mx, dtype_name, None), mx.Dtype):
-            raise ValueError(f"EncodedVector.dtype_name must name an MLX dtype, got {dtype_name!r}")
         self.quantizer_type = quantizer_type
-        self.dim = int(dim)
+        self.dim = dim
         self.dtype_name = dtype_name
-        self.bits = _check_bits(bits, "bits", 0)
-        if n_signs is not None and (isinstance(n_signs, bool) or not isinstance(n_signs, (int, np.integer))
-                                    or n_signs < 1):
-            raise ValueError(f"EncodedVector.n_signs must be an int >= 1 or None, got {n_signs!r}")
-        self.n_signs = None if n_signs is None else int(n_signs)
+        self.bits = bits
+        self.n_signs = n_signs
         given = dict(indices=indices, norms=norms, signs=signs, residual_norm=residual_norm, indices2=indices2)
         self._stored = {k: _as_array(v, k) for k, v in given.items() if v is not None}
-        if "indices" not in self._stored:
-            raise ValueError("EncodedVector.indices is required (packed uint32 words or (..., d) code indices)")
-        for name in ("indices", "indices2"):
-            a = self._stored.get(name)
-            if a is not None and (a.ndim == 0 or not mx.issubdtype(a.dtype, mx.integer)):
-                raise ValueError(f"EncodedVector.{name} must be an integer array (..., words) or (..., d), "
-                                 f"got dtype {a.dtype}, shape {tuple(a.shape)}")
-        s = self._stored.get("signs")
-        if s is not None and s.ndim == 0:
-            raise ValueError("EncodedVector.signs must have a trailing sign axis, got a scalar")
-        lead, ref = self.batch_shape, self._batch_field()
-        for name, a in self._stored.items():
-            got = tuple(a.shape) if name in ("norms", "residual_norm") else tuple(a.shape[:-1])
-            if got != lead:
-                raise ValueError(f"EncodedVector.{name} has batch shape {got} but {ref} has {lead} "
-                                 "(every field shares the leading axes)")
+        self.check()
+        self.dim, self.bits = int(self.dim), _check_bits(self.bits, "bits", 0)
+        self.n_signs = None if self.n_signs is None else int(self.n_signs)
         if batch_size is not None and batch_size != self.batch_size:
             raise ValueError(f"EncodedVector.batch_size={batch_size!r} does not match the arrays' batch "
-                             f"shape {lead} ({self.batch_size} vectors)")
+                             f"shape {self.batch_shape} ({self.batch_size} vectors)")
+
+    def check(self, owner: str = "EncodedVector") -> None:
+        """Refuse fields that do not make an EncodedVector, naming ``owner.field`` (shapes and types only, no
+        host sync). Run by the constructor and again by every decode (``owner="ev"``): assigned fields and
+        ``dataclasses.replace`` copies are checked before anything reads them."""
+        if not isinstance(self.quantizer_type, str):
+            raise TypeError(f"{owner}.quantizer_type must be a str, got {type(self.quantizer_type).__name__}")
+        if not _is_int(self.dim) or self.dim < 1:
+            raise ValueError(f"{owner}.dim must be an int >= 1, got {self.dim!r}")
+        dtype = getattr(mx, self.dtype_name, None) if isinstance(self.dtype_name, str) else None
+        if not isinstance(dtype, mx.Dtype) or not mx.issubdtype(dtype, mx.floating):  # what decode casts to
+            raise ValueError(f"{owner}.dtype_name must name an MLX float dtype ('float32', 'float16' or "
+                             f"'bfloat16'), got {self.dtype_name!r}")
+        _check_bits(self.bits, "bits", 0, owner)
+        if self.n_signs is not None and (not _is_int(self.n_signs) or self.n_signs < 1):
+            raise ValueError(f"{owner}.n_signs must be an int >= 1 or None, got {self.n_signs!r}")
+        stored = getattr(self, "_stored", None)
+        if not isinstance(stored, dict):
+            raise TypeError(f"{owner} holds no arrays: build it with EncodedVector(...) or a quantizer's encode")
+        for name, a in stored.items():
+            if not isinstance(a, mx.array):
+                raise TypeError(f"{owner}.{name} must be an mx.array, got {type(a).__name__}")
+        if "indices" not in stored:
+            raise ValueError(f"{owner}.indices is required (packed uint32 words or (..., d) code indices)")
+        for name in ("indices", "indices2"):
+            a = stored.get(name)
+            if a is not None and (a.ndim == 0 or not mx.issubdtype(a.dtype, mx.integer)):
+                raise ValueError(f"{owner}.{name} must be an integer array (..., words) or (..., d), "
+                                 f"got dtype {a.dtype}, shape {tuple(a.shape)}")
+        s = stored.get("signs")
+        if s is not None and s.ndim == 0:
+            raise ValueError(f"{owner}.signs must have a trailing sign axis, got a scalar")
+        lead, ref = self.batch_shape, self._batch_field()
+        for name, a in stored.items():
+            got = tuple(a.shape) if name in ("norms", "residual_norm") else tuple(a.shape[:-1])
+            if got != lead:
+                raise ValueError(f"{owner}.{name} has batch shape {got} but {owner}.{ref} has {lead} "
+                                 "(every field shares the leading axes)")
+
+    def _assign(self, name: str, value) -> None:
+        # The seed's dataclass took assignments; the arrays are checked as a whole when decoded (`check`).
+        a = _as_array(value, name)
+        if a is None:
+            self._stored.pop(name, None)
+        else:
+            self._stored[name] = a
 
     # -- stored (packed) form ------------------------------------------------------------------------
     def arrays(self) -> dict:
@@ -158,10 +206,18 @@ class EncodedVector:
         """``(..., d)`` code indices (uint8), unpacked from storage on read."""
         return self._seed_codes("indices")
 
+    @indices.setter
+    def indices(self, value):
+        self._assign("indices", value)
+
     @property
     def indices2(self):
         """``(..., d)`` stage-2 code indices (RVQ), or None."""
         return self._seed_codes("indices2")
+
+    @indices2.setter
+    def indices2(self, value):
+        self._assign("indices2", value)
 
     @property
     def signs(self):
@@ -176,13 +232,25 @@ class EncodedVector:
                              "n_signs=...; use sign_values(m) or arrays()")
         return self.sign_values(self.n_signs).astype(mx.int8)
 
+    @signs.setter
+    def signs(self, value):
+        self._assign("signs", value)
+
     @property
     def norms(self):
         return self._stored.get("norms")
 
+    @norms.setter
+    def norms(self, value):
+        self._assign("norms", value)
+
     @property
     def residual_norm(self):
         return self._stored.get("residual_norm")
+
+    @residual_norm.setter
+    def residual_norm(self, value):
+        self._assign("residual_norm", value)
 
     # -- sizes ---------------------------------------------------------------------------------------
     def _batch_field(self) -> str:

@@ -112,13 +112,17 @@ def measure_bytes_per_token(
     ``bytes_per_token_per_layer`` are every stored byte at ``sink + context`` tokens (fixed state such as fitted
     means and the exact sink tokens included, as the evaluation counts them); ``marginal_bytes_per_token_per_layer``
     is the growth over the last 256 tokens (what a longer context adds per token) and ``fixed_bytes`` the rest.
+    A model's recurrent-state caches (no keys and values per token) are left out; ``layers`` counts the others.
     """
     context = check_int("context", context, 2 * FILL_CHUNK)
     if context % FILL_CHUNK:
         raise ValueError(f"context must be a multiple of {FILL_CHUNK} (mlx_lm's allocation step), got {context}")
     if model is None:
         model = _stub_model(n_layers, kv_heads, head_dim)
-    caches = make_cache(model)
+    # recurrent-state layers (linear attention, SSM: mlx_lm's ArraysCache) hold no per-token keys and values
+    caches = [c for c in make_cache(model) if hasattr(c, "update_and_fetch")]
+    if not caches:
+        raise ValueError(f"make_cache gave {type(model).__name__} no cache of keys and values to measure")
     for c in caches:
         if hasattr(c, "fetch_placeholders"):  # no attention runs here: let it decode even while routing is on
             c.fetch_placeholders = False
@@ -137,6 +141,7 @@ def measure_bytes_per_token(
     return {
         "kv_heads": kv_heads,
         "head_dim": head_dim,
+        "layers": len(caches),  # the layers measured: those that cache keys and values
         "context": context,
         "sink": sink,
         "bytes_per_token_per_layer": mem["bytes_per_token_per_layer"],

@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import numbers
 import os
 from pathlib import Path
 from typing import Tuple
 
+import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_load
 
 from .gguf import build_model_from_gguf
@@ -72,14 +75,57 @@ def load_model(path_or_name: str | os.PathLike = DEFAULT_MODEL, quantized: bool 
             raise FileNotFoundError(f"GGUF file not found: {p}")
         return load_gguf(p, quantized=quantized)
     if p.is_dir():
-        return mlx_load(str(p))
+        model, tokenizer, config = mlx_load(str(p), return_config=True)
+        _keep_context(model, config)
+        _materialize(model)
+        return model, tokenizer
     raise FileNotFoundError(
         f"model {name!r} not found: expected 'smollm2', a .gguf file or an mlx_lm model directory"
     )
 
 
-def max_context(model) -> int | None:
-    """The model's maximum context (``max_position_embeddings``) when it declares one."""
+def _materialize(model) -> None:
+    """Evaluate every array the model's modules hold, its private constants too (``mlx_lm.load`` evaluates only
+    the parameters). A lazy constant belongs to the loading thread's stream, and MLX refuses to evaluate it on
+    another thread ("There is no Stream(cpu, 0) in current thread"): `veloxquant serve` generates on mlx_lm's
+    generation thread, and deepseek_v2's YaRN rope keeps its ``_freqs`` lazy."""
+    every = model.filter_and_map(lambda module, key, value: isinstance(value, (dict, list, mx.array)))
+    mx.eval([a for _, a in tree_flatten(every) if isinstance(a, mx.array)])
+
+
+# Where models state their context length, in this order: llama-style configs, GPT-2's n_positions / n_ctx,
+# and the names other families use. mlx_lm's ModelArgs keep only the fields they declare (Mixtral's, Gemma 2's,
+# Qwen2-MoE's... drop max_position_embeddings), so `load_model` also reads config.json (see `_keep_context`).
+CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "max_sequence_length",
+                  "seq_length", "model_max_length", "max_context_length", "context_length")
+
+
+def _context_in(source) -> int | None:
+    """The first positive integer context field of ``source`` (model args or a config dict), or None; a
+    multimodal config's ``text_config`` is read when the top level has none."""
+    get = source.get if isinstance(source, dict) else (lambda name: getattr(source, name, None))
+    for name in CONTEXT_FIELDS:
+        n = get(name)
+        if not isinstance(n, bool) and isinstance(n, numbers.Integral) and n > 0:
+            return int(n)
+    text = get("text_config")
+    return _context_in(text) if text is not None and text is not source else None
+
+
+def _keep_context(model, config) -> None:
+    """Put config.json's context on ``model.args`` when its ModelArgs dropped it, so `max_context` finds it."""
     args = getattr(model, "args", None)
-    n = getattr(args, "max_position_embeddings", None)
-    return int(n) if n else None
+    n = _context_in(config) if isinstance(config, dict) else None
+    if args is None or n is None or _context_in(args) is not None:
+        return
+    try:
+        args.max_position_embeddings = n  # read by nothing in mlx_lm for a model built without it
+    except (AttributeError, TypeError):  # frozen or slotted args: the context stays unknown (no limit)
+        pass
+
+
+def max_context(model) -> int | None:
+    """The model's maximum context when it declares one (``max_position_embeddings`` or another name of
+    `CONTEXT_FIELDS` on ``model.args``), else None."""
+    args = getattr(model, "args", None)
+    return None if args is None else _context_in(args)

@@ -62,6 +62,8 @@ def check_encoded(ev, quantizer_type: str, d: int):
     """
     if not isinstance(ev, EncodedVector):
         raise TypeError(f"ev must be an EncodedVector (what encode returns), got {type(ev).__name__}")
+    # Its fields may have been assigned or replaced since it was built: checked again, named ev.<field>.
+    ev.check("ev")
     if ev.quantizer_type != quantizer_type:
         raise ValueError(f"ev was encoded by {ev.quantizer_type!r}, this quantizer is {quantizer_type!r}")
     if ev.dim != d:
@@ -73,16 +75,31 @@ def check_encoded(ev, quantizer_type: str, d: int):
                              f"{ev.batch_shape}, got {a.dtype}")
 
 
-def as_query(q, d: int):
-    """Validate a query ``(d,)`` or ``(..., m, d)`` -> float32 mx.array."""
+def as_query(q, d: int, batch_shape: tuple):
+    """Validate a query ``(d,)`` or ``(..., m, d)`` against codes of batch shape ``batch_shape`` -> float32 mx.array.
+
+    The scores are ``(..., m, n)`` for codes ``(..., n)``: q's leading axes (all but its last two) must broadcast
+    with the codes' (all but n). Checked here, so a mismatch names ``q`` instead of failing inside MLX.
+    """
     qf, _ = as_float_input(q, d, "q")
+    q_lead, k_lead = tuple(qf.shape[:-2]), tuple(batch_shape[:-1])
+    if not _broadcastable(q_lead, k_lead):
+        raise ValueError(f"q has shape {tuple(qf.shape)}: its leading axes {q_lead} do not broadcast with the codes' "
+                         f"{k_lead} (ev batch shape {tuple(batch_shape)}); expected q of shape (d,) = ({d},) or "
+                         f"(..., m, {d}) with ... broadcastable to {k_lead}")
     return qf
 
 
+def _broadcastable(a: tuple, b: tuple) -> bool:
+    return all(x == y or x == 1 or y == 1 for x, y in zip(reversed(a), reversed(b)))
+
+
 def scores(q_rot: mx.array, k_rot: mx.array) -> mx.array:
-    """q ``(d,)`` with keys ``(..., n, d)`` -> ``(..., n)``; q ``(..., m, d)`` -> ``(..., m, n)``."""
-    if q_rot.ndim == 1:
-        return k_rot @ q_rot
+    """q ``(d,)`` with keys ``(..., n, d)`` -> ``(..., n)``; q ``(..., m, d)`` -> ``(..., m, n)``.
+
+    A single key ``(d,)`` (codes of batch shape ``()``) gives ``()`` and ``(..., m)``."""
+    if q_rot.ndim == 1 or k_rot.ndim == 1:
+        return k_rot @ q_rot if q_rot.ndim == 1 else q_rot @ k_rot
     return q_rot @ mx.swapaxes(k_rot, -1, -2)
 
 

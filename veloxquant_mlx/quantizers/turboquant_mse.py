@@ -85,7 +85,8 @@ class TurboQuantMSE(StoredNorms):
         Equals q · decode(ev): the query is rotated once and dotted with the rotated reconstruction
         (<q, Pi^T k> = <Pi q, k>), so keys are never rotated back.
         """
-        q_rot = self.rotation.apply(as_query(q, self.d))
+        check_encoded(ev, self.quantizer_type, self.d)  # before q is checked against its batch shape
+        q_rot = self.rotation.apply(as_query(q, self.d, ev.batch_shape))
         return scores(q_rot, self.decode_rotated(ev))
 
     @property

@@ -131,12 +131,12 @@ class TurboQuantProd(StoredNorms):
         """Unbiased <q, x>: q ``(..., m_q, d)`` with ev batch ``(..., n)`` -> ``(..., m_q, n)``;
         q ``(d,)`` -> ``(..., n)``. The query is rotated and sketched once; keys stay packed-size."""
         check_encoded(ev, self.quantizer_type, self.d)
-        q_rot = self.rotation.apply(as_query(q, self.d))
+        q_rot = self.rotation.apply(as_query(q, self.d, ev.batch_shape))
         out = scores(q_rot, self.decode_rotated_mse(ev)) if self.mse is not None else None
         sq = q_rot @ self._qjl_t  # (..., m_q, m) or (m,)
         qjl = scores(sq, self._signs_pm(ev))
         gamma = self._residual_norm(ev) * self._qjl_scale  # (..., n)
-        qjl = qjl * (gamma if q_rot.ndim == 1 else gamma[..., None, :])
+        qjl = qjl * (gamma if q_rot.ndim == 1 or gamma.ndim == 0 else gamma[..., None, :])  # ev of one key: ()
         return qjl if out is None else out + qjl
 
     def __repr__(self):

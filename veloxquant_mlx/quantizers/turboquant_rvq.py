@@ -64,7 +64,8 @@ class TurboQuantRVQ(StoredNorms):
 
     def estimate_inner_product(self, q, ev: EncodedVector) -> mx.array:
         """q · decode(ev): q ``(..., m, d)`` -> ``(..., m, n)``; q ``(d,)`` -> ``(..., n)``."""
-        q_rot = self.rotation.apply(as_query(q, self.d))
+        check_encoded(ev, self.quantizer_type, self.d)  # before q is checked against its batch shape
+        q_rot = self.rotation.apply(as_query(q, self.d, ev.batch_shape))
         return scores(q_rot, self.decode_rotated(ev))
 
     def __repr__(self):

@@ -1,0 +1,143 @@
+"""Every architecture the installed mlx_lm ships, on a tiny random model (veloxquant_mlx.eval.architectures):
+exact storage gives mlx_lm's logits, the default configuration runs, every attention cache is compressed or left
+plain with its reason; in float32, float16 and bfloat16."""
+import pkgutil
+import warnings
+
+import mlx.core as mx
+import mlx_lm.models
+import pytest
+
+import veloxquant_mlx as vq
+from veloxquant_mlx.eval import architectures as arch
+from veloxquant_mlx.eval.tiny_configs import CONFIGS, METAL_ONLY, NEEDS
+
+# mlx_lm.models modules that are no architecture (shared layers, caches, helpers)
+NOT_MODELS = {"activations", "base", "bitlinear_layers", "cache", "gated_delta", "mla", "pipeline", "rope_utils",
+              "ssm", "switch_layers"}
+# attention caches left plain on purpose, and why (anything else plain fails the test)
+PLAIN_ON_PURPOSE = {
+    "llama4": "chunked attention (ChunkedKVCache) is not compressed yet",
+    "deepseek_v41": "LayerCache is a cache kind veloxquant does not know",
+    "deepseek_v32": "a sparse-attention indexer's keys, which the model reads as raw arrays",
+    "glm_moe_dsa": "a sparse-attention indexer's keys, which the model reads as raw arrays",
+    "minimax_m3_vl": "a sparse-attention indexer's keys, which the model reads as raw arrays",
+}
+# architectures with attention every dtype must cover (the issue's representative set: dense, GQA with windows,
+# MLA latents, a hybrid, shared keys/values); MoE models cannot run in half precision on MLX's CPU (GatherMM)
+REPRESENTATIVE = ("llama", "qwen3", "gemma3", "deepseek_v2", "qwen3_5", "gemma3n", "afm7", "gemma4_text")
+
+
+def test_every_shipped_architecture_has_a_configuration():
+    shipped = {m.name for m in pkgutil.iter_modules(mlx_lm.models.__path__)} - NOT_MODELS
+    assert shipped - set(CONFIGS) <= set(NEEDS), f"architectures without a tiny configuration: {shipped - set(CONFIGS)}"
+    assert set(CONFIGS) <= shipped, f"configurations of architectures mlx_lm no longer ships: {set(CONFIGS) - shipped}"
+
+
+@pytest.fixture(scope="module")
+def results32():
+    return {name: arch.check(name, "float32") for name in CONFIGS}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_architecture_float32(name, results32):
+    r = results32[name]
+    if name in METAL_ONLY and not mx.metal.is_available():
+        assert r.status == "not run" and "Metal" in r.detail
+        return
+    assert r.ok and r.status != "not run", f"{name}: {r.status}: {r.detail}"
+    assert r.exact_error <= max(arch.TOLERANCE["float32"], r.rounding_error)
+    assert r.default_finite
+    if name in PLAIN_ON_PURPOSE:
+        assert set(r.plain) == {PLAIN_ON_PURPOSE[name]}, r.plain
+    else:
+        assert not r.plain, f"{name}: attention caches left plain: {r.plain}"
+    assert (r.status == "no attention") == (name in ("mamba", "mamba2", "rwkv7")), (name, r.status)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_architectures_half_precision(dtype):
+    results = {name: arch.check(name, dtype) for name in CONFIGS}
+    bad = {n: f"{r.status}: {r.detail}" for n, r in results.items() if not r.ok}
+    assert not bad, bad
+    ran = {n for n, r in results.items() if r.status != "not run"}
+    assert set(REPRESENTATIVE) <= ran, set(REPRESENTATIVE) - ran
+    for n, r in results.items():  # what did not run is mlx_lm's own failure on this machine, or needs Metal
+        if r.status == "not run":
+            assert "mlx_lm's own caches fail here" in r.detail or n in NEEDS, (n, r.detail)
+    assert len(ran) >= 60, f"only {len(ran)} architectures ran in {dtype}"
+
+
+def test_wrong_plumbing_is_caught(monkeypatch):
+    """The check fails what it must: attention from the codes that is off by 2 % (as a wrong scale or mask would be)
+    is reported as wrong; placeholders that reach mlx_lm's own attention raise, never a silent wrong output."""
+    from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache
+    attend = TurboQuantPackedCache._attend
+    monkeypatch.setattr(TurboQuantPackedCache, "_attend", lambda self, *a, **k: attend(self, *a, **k) * 1.02)
+    r = arch.check("llama")
+    assert r.status == "wrong" and r.exact_error > arch.TOLERANCE["float32"], (r.status, r.exact_error)
+    monkeypatch.undo()
+
+    from mlx_lm.models.cache import make_prompt_cache
+    from veloxquant_mlx.attention import hook
+    model = arch.build("llama")
+    caches = [TurboQuantPackedCache(codec="float16", k_bits=16, v_bits=16) for _ in model.layers]
+    hook.set_active(True)  # placeholders handed out, but mlx_lm's attention is not routed: it reads zeros
+    try:
+        with pytest.raises(RuntimeError, match="attend_packed was never called"):
+            arch.run(model, caches, arch.tokens())
+    finally:
+        hook.set_active(False)
+    assert arch.check("llama").ok  # (the patch is gone)
+    del make_prompt_cache
+
+
+def test_enable_says_what_stays_plain():
+    """One line for a model with nothing to compress (no-op) and for one with attention layers left plain."""
+    for name, expected in (("mamba2", "no attention keys and values"), ("llama4", "3 left plain")):
+        model = arch.build(name)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            vq.enable(model)
+        vq.disable(model)
+        assert len(w) == 1 and expected in str(w[0].message), [str(x.message) for x in w]
+    model = arch.build("qwen3_next")  # a hybrid with every attention layer compressed: nothing to say
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        vq.enable(model)
+    vq.disable(model)
+    assert not w, [str(x.message) for x in w]
+
+
+def test_any_head_dim_is_compressed():
+    """head_dims that no mx.quantize group divides (16, 48, 80) or that the default's value groups of 64 do not
+    (96): every layer is compressed all the same (another group size, or Lloyd-Max codes at the same bits), as
+    close to the plain cache as at the usual head dims."""
+    from mlx_lm.models import llama
+    for d in (16, 48, 80, 96):
+        args = llama.ModelArgs.from_dict(dict(CONFIGS["llama"], head_dim=d))
+        mx.random.seed(0)
+        model = llama.Model(args)
+        from mlx_lm.models.cache import make_prompt_cache
+        toks = arch.tokens()
+        ref = arch.run(model, make_prompt_cache(model), toks)
+        caches = vq.make_prompt_cache(model)
+        got = arch.run(model, caches, toks)
+        assert all(type(c).__name__.startswith("TurboQuant") for c in caches)
+        assert bool(mx.all(mx.isfinite(got)).item())
+        # (this random model's logits move by up to 0.3-0.5 of their spread at every head_dim under the default,
+        # 64 and 128 included; its top-1 agrees at 94-98 % of the positions)
+        err = float(mx.max(mx.abs(got - ref)).item()) / float(mx.std(ref).item())
+        top1 = float(mx.mean(mx.argmax(got, axis=-1) == mx.argmax(ref, axis=-1)).item())
+        assert err < 0.6 and top1 >= 0.9, (d, err, top1)
+
+
+def test_readme_supported_models_is_the_generated_table(results32):
+    """README's "Supported models" table is what `python -m veloxquant_mlx.eval.architectures --summary` writes."""
+    from pathlib import Path
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    begin, end = "<!-- supported-models:begin -->\n", "<!-- supported-models:end -->"
+    assert begin in text and end in text
+    table = text[text.index(begin) + len(begin):text.index(end)]
+    assert table == arch.summary_markdown(list(results32.values())), "regenerate: python -m " \
+        "veloxquant_mlx.eval.architectures --summary FILE, and paste FILE between the markers"
