@@ -141,3 +141,25 @@ def test_readme_supported_models_is_the_generated_table(results32):
     table = text[text.index(begin) + len(begin):text.index(end)]
     assert table == arch.summary_markdown(list(results32.values())), "regenerate: python -m " \
         "veloxquant_mlx.eval.architectures --summary FILE, and paste FILE between the markers"
+
+
+def test_placeholders_changed_on_the_way_raise():
+    """A model that computes on the placeholders it fetched (a cast, a tile of the heads) before attention gets an
+    error naming the fix, never mlx_lm's attention over zeros; another cache's own placeholders are attended from
+    that cache's codes (a layer reusing an earlier layer's keys and values, called with cache=None)."""
+    from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache
+    from veloxquant_mlx.integration import packed_scaled_dot_product_attention as routed, use_packed_attention
+    mx.random.seed(3)
+    k, v, q = (mx.random.normal((1, 2, 40, 32)) for _ in range(3))
+    with use_packed_attention():
+        cache = TurboQuantPackedCache(codec="float16", k_bits=16, v_bits=16)
+        keys, values = cache.update_and_fetch(k, v)
+        expected = mx.fast.scaled_dot_product_attention(q[:, :, -1:], k, v, scale=0.2, mask=None)
+        shared = routed(q[:, :, -1:], keys, values, None, scale=0.2, mask=None)  # another layer: cache=None
+        assert float(mx.max(mx.abs(shared - expected)).item()) < 1e-2
+        with pytest.raises(RuntimeError, match="fetch_placeholders=False"):
+            routed(q[:, :, -1:], keys.astype(mx.float16), values, cache, scale=0.2, mask=None)
+        keys, values = cache.update_and_fetch(k[:, :, :1], v[:, :, :1])  # the next step's fetch
+        with pytest.raises(RuntimeError, match="fetch_placeholders=False"):
+            routed(q[:, :, -1:], mx.tile(keys, (1, 2, 1, 1)), mx.tile(values, (1, 2, 1, 1)), cache, scale=0.2,
+                   mask=None)  # (plamo's pattern: the heads tiled, not repeated as GQA reads them)
