@@ -17,7 +17,6 @@ NOT_MODELS = {"activations", "base", "bitlinear_layers", "cache", "gated_delta",
               "ssm", "switch_layers"}
 # attention caches left plain on purpose, and why (anything else plain fails the test)
 PLAIN_ON_PURPOSE = {
-    "llama4": "chunked attention (ChunkedKVCache) is not compressed yet",
     "deepseek_v41": "LayerCache is a cache kind veloxquant does not know",
     "deepseek_v32": "a sparse-attention indexer's keys, which the model reads as raw arrays",
     "glm_moe_dsa": "a sparse-attention indexer's keys, which the model reads as raw arrays",
@@ -94,7 +93,7 @@ def test_wrong_plumbing_is_caught(monkeypatch):
 
 def test_enable_says_what_stays_plain():
     """One line for a model with nothing to compress (no-op) and for one with attention layers left plain."""
-    for name, expected in (("mamba2", "no attention keys and values"), ("llama4", "3 left plain")):
+    for name, expected in (("mamba2", "no attention keys and values"), ("deepseek_v32", "3 left plain")):
         model = arch.build(name)
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
@@ -163,3 +162,30 @@ def test_placeholders_changed_on_the_way_raise():
         with pytest.raises(RuntimeError, match="fetch_placeholders=False"):
             routed(q[:, :, -1:], mx.tile(keys, (1, 2, 1, 1)), mx.tile(values, (1, 2, 1, 1)), cache, scale=0.2,
                    mask=None)  # (plamo's pattern: the heads tiled, not repeated as GQA reads them)
+
+
+def test_chunked_attention_saves_loads_and_continues():
+    """Llama 4's chunked-attention layers (`TurboQuantChunkedPackedCache`) past two chunk boundaries: saved with
+    mlx_lm's own prompt-cache functions, loaded back, they continue exactly as the caches never saved."""
+    import os
+    import tempfile
+    from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
+    model, toks = arch.build("llama4"), arch.tokens()
+    vq.enable(model)
+    try:
+        caches = make_prompt_cache(model)
+        assert [type(c).__name__ for c in caches].count("TurboQuantChunkedPackedCache") == 3
+        model(toks[:, :70], cache=caches)
+        assert (caches[0].offset, caches[0].start_position) == (70, 70 - 32)  # the newest chunk_size tokens
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "prompt.safetensors")
+            save_prompt_cache(path, caches)
+            loaded = load_prompt_cache(path)
+        assert [c.start_position for c in loaded[:3]] == [38] * 3
+        for t in range(70, 78):
+            a, b = model(toks[:, t:t + 1], cache=caches), model(toks[:, t:t + 1], cache=loaded)
+            assert mx.array_equal(a, b)
+        with pytest.raises(ValueError, match="does not batch"):
+            type(caches[0]).merge([caches[0], loaded[0]])
+    finally:
+        vq.disable(model)

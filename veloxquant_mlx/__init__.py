@@ -24,6 +24,7 @@ _EXPORTS = {
     "QUANTIZERS": "veloxquant_mlx.quantizers",
     "TurboQuantPackedCache": "veloxquant_mlx.cache.packed_cache",
     "TurboQuantRotatingPackedCache": "veloxquant_mlx.cache.packed_cache",
+    "TurboQuantChunkedPackedCache": "veloxquant_mlx.cache.chunked",
     "KVCacheBuilder": "veloxquant_mlx.integration",
     "CacheOptions": "veloxquant_mlx.options",
     "CODECS": "veloxquant_mlx.codecs",

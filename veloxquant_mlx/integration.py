@@ -67,10 +67,11 @@ from veloxquant_mlx.validate import check_bool, check_int
 # The cache classes this module builds, converts and registers with mlx_lm (the only imports of cache classes here).
 from veloxquant_mlx.cache.packed_cache import (TurboQuantBatchPackedCache, TurboQuantBatchRotatingPackedCache,
                                                TurboQuantPackedCache, TurboQuantRotatingPackedCache)
+from veloxquant_mlx.cache.chunked import TurboQuantChunkedPackedCache
 from veloxquant_mlx.compat.turboquant_rvq_cache import TurboQuantRVQKVCache
 
 CACHE_CLASSES = (TurboQuantPackedCache, TurboQuantRotatingPackedCache, TurboQuantRVQKVCache, TurboQuantBatchPackedCache,
-                 TurboQuantBatchRotatingPackedCache)
+                 TurboQuantBatchRotatingPackedCache, TurboQuantChunkedPackedCache)
 
 __all__ = [
     "CACHE_CLASSES", "KVCacheBuilder", "attention_is_routable", "cache_report", "coverage_line", "disable", "enable", "enabled_options", "fetches_real_arrays",
@@ -554,24 +555,35 @@ def _full_attention(cache, options, placeholders: bool):
     return TurboQuantPackedCache(options, fetch_placeholders=placeholders)
 
 
-def _sliding_window(cache, options, placeholders: bool):
-    """mlx_lm's ``RotatingKVCache`` -> a packed window of the same ``max_size`` / ``keep``."""
+def _window_options(options, keep: int, what: str):
+    """A window's options: a per-token layout (a window evicts single tokens), exact sink tokens only within
+    ``keep`` (never evicted)."""
     if options.kind == "rvq":
-        raise ValueError("kind='rvq' has no sliding-window variant; this model has RotatingKVCache layers: use "
-                         "kind='packed'")
-    # Only tokens the window keeps forever (its ``keep`` prefix) can be exact sink tokens.
-    changes = {"sink": min(options.sink, cache.keep)}
+        raise ValueError(f"kind='rvq' has no sliding-window variant; this model has {what} layers: use kind='packed'")
+    changes = {"sink": min(options.sink, keep)}
     if codec_layout(options.codec).keys.BLOCKED:  # block keys cannot be evicted a token at a time
         # a block codec's group_size is its key block in tokens, not a per-token group of coordinates
         changes.update(codec="affine", group_size=None)
-    return TurboQuantRotatingPackedCache(dataclasses.replace(options, **changes), max_size=cache.max_size,
-                                         keep=cache.keep, fetch_placeholders=placeholders)
+    return dataclasses.replace(options, **changes)
+
+
+def _sliding_window(cache, options, placeholders: bool):
+    """mlx_lm's ``RotatingKVCache`` -> a packed window of the same ``max_size`` / ``keep``."""
+    return TurboQuantRotatingPackedCache(_window_options(options, cache.keep, "RotatingKVCache"),
+                                         max_size=cache.max_size, keep=cache.keep, fetch_placeholders=placeholders)
+
+
+def _chunked(cache, options, placeholders: bool):
+    """mlx_lm's ``ChunkedKVCache`` (Llama 4's chunked attention) -> a packed one of the same ``chunk_size``."""
+    return TurboQuantChunkedPackedCache(_window_options(options, 0, "ChunkedKVCache"), chunk_size=cache.chunk_size,
+                                        fetch_placeholders=placeholders)
 
 
 # The cache kinds: mlx_lm's cache class a model makes -> ``convert(cache, options, placeholders)`` giving ours.
 # A new kind is one module (its cache class, a face over `veloxquant_mlx.cache.rows.Rows`, and its conversion)
 # plus `register_cache_kind` (tests/test_new_cache_kind.py does exactly that).
-CACHE_KINDS: Dict[type, Callable] = {mlx_cache.KVCache: _full_attention, mlx_cache.RotatingKVCache: _sliding_window}
+CACHE_KINDS: Dict[type, Callable] = {mlx_cache.KVCache: _full_attention, mlx_cache.RotatingKVCache: _sliding_window,
+                                     mlx_cache.ChunkedKVCache: _chunked}
 
 
 def register_cache_kind(mlx_class: type, convert: Callable, *classes: type) -> None:
@@ -602,7 +614,6 @@ def make_prompt_cache(model, config=None, *, max_kv_size: Optional[int] = None, 
 
 # mlx_lm's caches that hold attention keys and values but no conversion exists for, and why
 _PLAIN_REASONS: Dict[type, str] = {
-    mlx_cache.ChunkedKVCache: "chunked attention (ChunkedKVCache) is not compressed yet",
     mlx_cache.ConcatenateKVCache: "a concatenating cache (ConcatenateKVCache) is not compressed",
     mlx_cache.QuantizedKVCache: "already mlx_lm's quantized cache",
     # (the only KVCache the builder leaves: a CacheList member the model reads raw, `_reads_member_arrays`)

@@ -10,6 +10,7 @@ import importlib
 _EXPORTS = {
     "TurboQuantPackedCache": "veloxquant_mlx.cache.packed_cache",
     "TurboQuantRotatingPackedCache": "veloxquant_mlx.cache.packed_cache",
+    "TurboQuantChunkedPackedCache": "veloxquant_mlx.cache.chunked",
     "TurboQuantBatchPackedCache": "veloxquant_mlx.cache.packed_cache",
     "TurboQuantBatchRotatingPackedCache": "veloxquant_mlx.cache.packed_cache",
     "TurboQuantRVQKVCache": "veloxquant_mlx.compat.turboquant_rvq_cache",

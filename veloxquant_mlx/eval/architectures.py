@@ -321,7 +321,9 @@ def summary_markdown(results: List[Result]) -> str:
                               []).append(r)
         elif r.status != "compressed":
             groups.setdefault(f"{r.status}: {r.detail}", []).append(r)
-    rows += [(what, str(len(rs)), names(rs)) for what, rs in groups.items()]
+    order = ("partly", "plain", "nothing", "not run")  # (then anything else: wrong, crash)
+    rank = {w: next((i for i, o in enumerate(order) if w.startswith(o)), len(order)) for w in groups}
+    rows += [(what, str(len(groups[what])), names(groups[what])) for what in sorted(groups, key=rank.get)]
     for name in sorted(set(NEEDS) - set(CONFIGS) - {r.name for r in results}):
         rows.append((f"not run: needs {NEEDS[name]}", "1", f"`{name}`"))
     lines = ["| what happens | models | architectures (`model_type`) |", "|---|---|---|"]
