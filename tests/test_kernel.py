@@ -323,8 +323,11 @@ def _load_fake(monkeypatch, **functions) -> str:
     import sys
     import types
 
+    from veloxquant_mlx.attention._sources import source_hash
+
     fake = types.ModuleType("veloxquant_mlx.attention._coded_attention")
     fake.built_with_mlx = mx.__version__
+    fake.built_from_sources = source_hash()
     for name, fn in functions.items():
         setattr(fake, name, fn)
     monkeypatch.setitem(sys.modules, "veloxquant_mlx.attention._coded_attention", fake)
@@ -333,6 +336,16 @@ def _load_fake(monkeypatch, **functions) -> str:
     monkeypatch.setattr(kernel, "_warned", True)
     assert kernel._load() is None
     return kernel._reason
+
+
+def test_a_module_built_from_other_sources_is_refused(fresh_kernel_state, monkeypatch):
+    """A kernel built before the sources changed (a checkout updated since) is not used: it would be called with
+    arguments it does not know. The module built here carries the digest of these very sources."""
+    from veloxquant_mlx.attention._sources import source_hash
+    assert kernel.compiled_module().built_from_sources == source_hash()
+    real = kernel.compiled_module()
+    reason = _load_fake(monkeypatch, coded_decode_attention=real.coded_decode_attention, built_from_sources="0" * 16)
+    assert "other sources" in reason and "rebuild" in reason
 
 
 def test_a_module_that_computes_garbage_is_refused(fresh_kernel_state, monkeypatch):

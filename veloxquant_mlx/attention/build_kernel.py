@@ -13,6 +13,7 @@ records the MLX version it was built against; `veloxquant_mlx.attention.kernel` 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import platform
 import shutil
@@ -26,6 +27,18 @@ import mlx.core as mx
 
 HERE = Path(__file__).resolve().parent
 SOURCE_DIR = HERE / "csrc"
+
+
+def _sources_module():
+    """``_sources.py`` beside this file, loaded by path (setup.py loads this file the same way, before the package
+    can be imported)."""
+    spec = importlib.util.spec_from_file_location("_vq_kernel_sources", HERE / "_sources.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+source_hash = _sources_module().source_hash
 
 # MLX minor version -> the nanobind release its Python module was built with (a mismatch breaks the array type).
 NANOBIND_FOR_MLX = {"0.32": "3.1.0"}
@@ -66,7 +79,8 @@ def build(out_dir: Optional[Path] = None, build_dir: Optional[Path] = None, verb
     configure = [cmake, "-S", str(SOURCE_DIR), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
                  f"-DPython_EXECUTABLE={sys.executable}", f"-Dnanobind_ROOT={nb_dir}",
                  f"-DMLX_ROOT={mlx_dir / 'share' / 'cmake' / 'MLX'}", f"-DMLX_LIB_DIR={mlx_dir / 'lib'}",
-                 f"-DVELOXQUANT_OUT_DIR={out_dir}", f"-DVELOXQUANT_ARCH_FLAGS={arch}"]
+                 f"-DVELOXQUANT_OUT_DIR={out_dir}", f"-DVELOXQUANT_ARCH_FLAGS={arch}",
+                 f"-DVELOXQUANT_SOURCE_HASH={source_hash() or 'unknown'}"]
     jobs = str(max(os.cpu_count() or 1, 1))
     for cmd in (configure, [cmake, "--build", str(build_dir), "--config", "Release", "-j", jobs]):
         run = subprocess.run(cmd, capture_output=not verbose, text=True)

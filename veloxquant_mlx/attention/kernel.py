@@ -24,6 +24,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
+from veloxquant_mlx.attention._sources import source_hash
 from veloxquant_mlx.attention.exp2 import LOG2E
 from veloxquant_mlx.codecs import _affine_encode
 from veloxquant_mlx.codecs._affine_encode import reference_affine_encode
@@ -100,6 +101,12 @@ def _load():
         if mod.built_with_mlx != mx.__version__:
             _reason = (f"the compiled kernel was built against MLX {mod.built_with_mlx}, MLX {mx.__version__} is "
                        f"installed; rebuild: {BUILD_HINT}")
+            return None
+        sources = source_hash()  # (None: an install without the sources; the MLX check above still holds)
+        if sources is not None and getattr(mod, "built_from_sources", None) != sources:
+            _reason = (f"the compiled kernel was built from other sources than these (built "
+                       f"{getattr(mod, 'built_from_sources', 'before sources were recorded')}, sources {sources}: "
+                       f"the checkout changed since); rebuild: {BUILD_HINT}")
             return None
         try:
             _smoke_check(mod)

@@ -1401,6 +1401,10 @@ NB_MODULE(_coded_attention, m) {
   m.doc() = "veloxquant_mlx's compiled attention on affine codes (CPU); the reference is packed_sdpa.attend_one_query";
   m.attr("built_with_mlx") = std::to_string(MLX_VERSION_MAJOR) + "." + std::to_string(MLX_VERSION_MINOR) + "." +
                               std::to_string(MLX_VERSION_PATCH);
+#ifndef VELOXQUANT_SOURCE_HASH
+#define VELOXQUANT_SOURCE_HASH "unknown"
+#endif
+  m.attr("built_from_sources") = VELOXQUANT_SOURCE_HASH;  // build_kernel.source_hash() of the sources built
   m.attr("log_scale_offset") = vq::LOG_SCALE_OFFSET;
   m.attr("log_scale_steps") = vq::LOG_SCALE_STEPS;
   m.def("threads", [] { return vq::pool().size(); }, "worker threads (VELOXQUANT_KERNEL_THREADS, else all cores)");
