@@ -41,7 +41,7 @@ class BuildKernel(build_ext):
         builder = _builder()
         out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
         path = builder.build(out_dir=out_dir, build_dir=Path(self.build_temp).resolve() / "kernel")
-        print(f"veloxquant kernel: built {path}")
+        print(f"veloxquant kernel: built {path} against MLX {builder.mx.__version__} ({builder.mlx.__path__[0]})")
 
 
 SOURCES = [f"veloxquant_mlx/attention/csrc/{name}.cpp" for name in ("coded_attention", "affine_encode", "gather_rows")]

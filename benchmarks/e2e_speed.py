@@ -400,7 +400,9 @@ def main(argv=None):
         print_paired(rows)
     out = {"model": args.model, "prompt": args.prompt, "chunk": args.chunk, "decode": args.decode, "fill": args.fill,
            "repeats": args.repeats, "loops": loops, "blas": blas_name(), "machine": machine(),
-           "attention_path": attention_kernel.status()[1], "rows": rows}
+           "attention_path": attention_kernel.status()[1], "kernel_calls": attention_kernel.calls(), "rows": rows}
+    c = attention_kernel.calls()
+    print(f"decode calls on the compiled kernel: {c['kernel']}; refused by it (run on the reference): {c['refused']}")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=2)

@@ -280,6 +280,7 @@ def fresh_kernel_state(monkeypatch):
     """The module's load state, restored afterwards."""
     for name in ("_module", "_reason", "_warned"):
         monkeypatch.setattr(kernel, name, getattr(kernel, name))
+    monkeypatch.setattr(kernel, "_refusals", {})  # (each kind of refusal warns once: a fresh count per test)
     yield
 
 
@@ -466,3 +467,24 @@ def test_one_byte_value_scales_read_by_the_kernel_or_decoded_for_a_module_withou
     decoded = _kernel(q, parts)
     _close(fast, ref)
     _close(decoded, ref)
+
+
+def test_a_call_the_kernel_refuses_runs_on_the_reference(fresh_kernel_state):
+    """TurboQuant-Prod with a QJL sketch shorter than head_dim (jl_dim=40 at d=64): the kernel refuses its layout;
+    the step runs on the reference, equal to it, with one warning and the refusal counted."""
+    from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache
+    from veloxquant_mlx.integration import use_packed_attention
+    mx.random.seed(5)
+    k, v, q = mx.random.normal((1, 2, 40, 64)), mx.random.normal((1, 2, 40, 64)), mx.random.normal((1, 4, 1, 64))
+    with use_packed_attention():
+        cache = TurboQuantPackedCache(method="turboquant_prod", k_bits=4, v_bits=4, jl_dim=40, code_batch=1)
+        cache.update_and_fetch(k, v)
+        before = kernel.calls()["refused"]
+        with pytest.warns(RuntimeWarning, match="refused a call"):
+            out = cache.attend_packed(q, 0.125, None)
+        assert kernel.calls()["refused"] == before + 1
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # one warning per kind of refusal, not one per step
+            cache.attend_packed(q, 0.125, None)
+        expected = reference_one_query(q, cache.attention_parts(), 0.125)
+    assert mx.allclose(out, expected, atol=1e-5).item()

@@ -342,7 +342,10 @@ def cmd_demo(args) -> int:
                      f"{r['ppl']['ppl']:.3f}", f"{r['ppl']['delta_ppl']:+.3f}", f"{r['ppl']['kl']:.4f}",
                      f"{r['decode_tokens_per_s']:.1f}"])
     print(f"\nperplexity slice: {args.context} tokens of the Debian Reference (window 0); prompt: {args.prompt!r}")
-    print(f"attention on codes: {attention_kernel.status()[1]}")
+    c = attention_kernel.calls()
+    results["kernel_calls"] = c
+    print(f"attention on codes: {attention_kernel.status()[1]}; decode calls on the kernel {c['kernel']}, refused "
+          f"by it (run on the reference) {c['refused']}")
     print(_table(["method", "bits/coord", f"KV MiB @{args.context}", "ppl", "Δppl", "KL", "decode tok/s"], rows))
     print()
     for name, r in results["methods"].items():

@@ -103,7 +103,7 @@ def main(argv=None) -> int:
     except KernelBuildError as e:
         print(f"veloxquant kernel: not built: {e}", file=sys.stderr)
         return 1
-    print(f"veloxquant kernel: built {path}")
+    print(f"veloxquant kernel: built {path} against MLX {mx.__version__} ({Path(mlx.__path__[0])})")
     return 0
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import re
 import threading
 import warnings
 from typing import List, Optional, Sequence, Tuple
@@ -115,6 +116,27 @@ def _load():
             return None
         _module = mod
         return mod
+
+
+# Decode / short-chunk attention calls since start: answered by the kernel, and refused by it (then answered by the
+# reference; calls the kernel never takes, e.g. with the kernel off or on a GPU, are not counted here).
+_calls = {"kernel": 0, "refused": 0}
+_refusals: dict = {}  # message -> count; each message warns once
+
+
+def _refused(error: Exception) -> None:
+    _calls["refused"] += 1
+    key = re.sub(r"\d+", "#", f"{type(error).__name__}: {error}")  # (one message per kind, whatever the sizes)
+    _refusals[key] = _refusals.get(key, 0) + 1
+    if _refusals[key] == 1:
+        warnings.warn(f"veloxquant_mlx: the compiled kernel refused a call ({key}); that call and those like it run "
+                      "on the pure-MLX reference", RuntimeWarning, stacklevel=4)
+
+
+def calls() -> dict:
+    """``{"kernel": n, "refused": n, "refusals": {message: n}}``: decode-step attention calls since start that the
+    compiled kernel answered, and those it refused (answered by the pure-MLX reference, one warning per message)."""
+    return {**_calls, "refusals": dict(_refusals)}
 
 
 def status() -> Tuple[bool, str]:
@@ -332,13 +354,19 @@ def decode_step(queries: mx.array, parts: Sequence, scale: float, sinks: Optiona
         s = (sinks.astype(mx.float32) * LOG2E).reshape(-1, R)
         s = mx.tile(s, (B, 1)) if s.shape[0] != B * H else s
         s = mx.contiguous(mx.repeat(s, L, axis=1) if L > 1 else s)  # (one per row)
-    out = mod.coded_decode_attention(
-        q, ka.rotation, va.rotation, ka.w, ka.scales, ka.biases, ka.tokens_last, ka.bits, ka.group,
-        va.w, va.scales, va.biases, va.tokens_last, va.bits, va.group, float(va.zero),
-        ek.astype(mx.float32), ev.astype(mx.float32), ka.mean, va.mean, cmask, emask, s, ka.levels, va.levels,
-        *tail_args)
+    try:
+        out = mod.coded_decode_attention(
+            q, ka.rotation, va.rotation, ka.w, ka.scales, ka.biases, ka.tokens_last, ka.bits, ka.group,
+            va.w, va.scales, va.biases, va.tokens_last, va.bits, va.group, float(va.zero),
+            ek.astype(mx.float32), ev.astype(mx.float32), ka.mean, va.mean, cmask, emask, s, ka.levels, va.levels,
+            *tail_args)
+    except (ValueError, TypeError, RuntimeError) as e:  # a layout the kernel refuses: the reference takes the call
+        _refused(e)
+        return None
+    _calls["kernel"] += 1
     out = out.reshape(B, Hq, L, dv)
     return out if out.dtype == queries.dtype else out.astype(queries.dtype)
 
 
-__all__: List[str] = ["BUILD_HINT", "MAX_ROWS", "decode_step", "enabled", "gather_rows", "set_enabled", "status"]
+__all__: List[str] = ["BUILD_HINT", "MAX_ROWS", "calls", "decode_step", "enabled", "gather_rows", "set_enabled",
+                      "status"]
