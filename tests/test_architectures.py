@@ -123,6 +123,16 @@ def test_any_head_dim_is_compressed():
         caches = vq.make_prompt_cache(model)
         got = arch.run(model, caches, toks)
         assert all(type(c).__name__.startswith("TurboQuant") for c in caches)
+        with warnings.catch_warnings(record=True) as w:  # enable says how the layout was fitted, in one line
+            warnings.simplefilter("always")
+            vq.enable(model)
+        vq.disable(model)
+        fitted = [str(x.message) for x in w]
+        if d % 32:  # (no mx.quantize group divides it: Lloyd-Max codes at the default's bits)
+            assert fitted == [f"veloxquant_mlx: head_dim {d}: codec 'affine_block' cannot take it, coded with "
+                              "'lloyd_max' at the same bits"], fitted
+        else:  # 96: value groups of 32 instead of 64, the layout's default: nothing to say
+            assert fitted == [], fitted
         assert bool(mx.all(mx.isfinite(got)).item())
         # (this random model's logits move by up to 0.3-0.5 of their spread at every head_dim under the default,
         # 64 and 128 included; its top-1 agrees at 94-98 % of the positions)

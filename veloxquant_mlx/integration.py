@@ -61,7 +61,7 @@ from veloxquant_mlx.attention import hook
 from veloxquant_mlx.calibration.file import Calibration
 from veloxquant_mlx.codecs import codec_layout
 from veloxquant_mlx.model_shape import head_dim as model_head_dim
-from veloxquant_mlx.options import resolve_options
+from veloxquant_mlx.options import adapted_reason, resolve_options
 from veloxquant_mlx.validate import check_bool, check_int
 
 # The cache classes this module builds, converts and registers with mlx_lm (the only imports of cache classes here).
@@ -526,9 +526,12 @@ class KVCacheBuilder:
         # a model without one head_dim (per-layer head dims, MLA latents): each cache reads its own at its first update
         per_layer = [self.options.for_layer(i, n_layers, head_dim) for i in range(n_layers)]  # validates first
         per_layer = self._calibrated(model, per_layer)
+        self.notes = []  # how the layout was fitted to this head_dim (said by `enable`)
         if head_dim is not None:  # options no layout can take at this head_dim say so now, not at the first update
             for opts in {o.layer_options() for o in per_layer if o.kind == "packed"}:
-                opts.for_dims(head_dim, head_dim)
+                note = adapted_reason(opts, opts.for_dims(head_dim, head_dim), head_dim, head_dim)
+                if note is not None and note not in self.notes:
+                    self.notes.append(note)
         # MLA layers compute on the fetched latent before attention: they fetch decoded arrays
         placeholders = attention_is_routable(model) and not fetches_real_arrays(model)
         # the members a model reads raw (indexer keys) stay mlx_lm's
@@ -675,8 +678,8 @@ def enable(model, config=None, *, calibration=None, **options):
         raise TypeError(f"model must be an mlx_lm model with .layers, got {type(model).__name__}")
     builder = KVCacheBuilder(config, calibration=calibration, **options)
     line = coverage_line(model, builder.build(model))  # refuse bad options now, not at the first generate
-    if line is not None:
-        warnings.warn(line, stacklevel=2)
+    for text in ([line] if line is not None else []) + [f"veloxquant_mlx: {n}" for n in builder.notes]:
+        warnings.warn(text, stacklevel=2)
 
     def make_cache():
         return builder.build(model)
