@@ -32,9 +32,9 @@ def sdist(tmp_path_factory):
     (archive,) = out.glob("veloxquant_mlx-*.tar.gz")
     with tarfile.open(archive) as tar:
         names = tar.getnames()
+    sources = [f"veloxquant_mlx/attention/csrc/{n}.cpp" for n in ("coded_attention", "affine_encode", "gather_rows")]
     needed = ["veloxquant_mlx/attention/csrc/CMakeLists.txt", "veloxquant_mlx/attention/build_kernel.py",
-              "veloxquant_mlx/attention/_sources.py", "setup.py", "pyproject.toml"] + [f"veloxquant_mlx/attention/csrc/{n}.cpp" for n in
-                                   ("coded_attention", "affine_encode", "gather_rows")]
+              "veloxquant_mlx/attention/_sources.py", "setup.py", "pyproject.toml"] + sources
     missing = [n for n in needed if not any(x.endswith(n) for x in names)]
     assert not missing, f"the sdist lacks {missing}"
     return archive

@@ -74,9 +74,10 @@ CACHE_CLASSES = (TurboQuantPackedCache, TurboQuantRotatingPackedCache, TurboQuan
                  TurboQuantBatchRotatingPackedCache, TurboQuantChunkedPackedCache)
 
 __all__ = [
-    "CACHE_CLASSES", "KVCacheBuilder", "attention_is_routable", "cache_report", "coverage_line", "disable", "enable", "enabled_options", "fetches_real_arrays",
-    "hold_while_alive", "install", "is_enabled", "latent_attention", "make_prompt_cache", "uniform_head_dim", "mlx_lm_cache_classes",
-    "packed_scaled_dot_product_attention", "routes_model", "uninstall", "use_packed_attention",
+    "CACHE_CLASSES", "attention_is_routable", "cache_report", "coverage_line", "disable", "enable",
+    "enabled_options", "fetches_real_arrays", "hold_while_alive", "install", "is_enabled", "KVCacheBuilder",
+    "latent_attention", "make_prompt_cache", "mlx_lm_cache_classes", "packed_scaled_dot_product_attention",
+    "routes_model", "uniform_head_dim", "uninstall", "use_packed_attention",
 ]
 
 

@@ -248,8 +248,8 @@ class TurboQuantPackedCache(_PackedFace):
             r, n = self.rows, self._stored()
             return _hook.owned_placeholders(self, (r.B, r.heads, n, r.dims[0]), (r.B, r.heads, n, r.dims[1]),
                                             k_dtype, v_dtype)
-        return self._fetch(k_dtype) if k_dtype == v_dtype else \
-            (self._fetch(k_dtype)[0], self._fetch(v_dtype)[1])
+        k, v = self._fetch(k_dtype)
+        return k, (v if v.dtype == v_dtype else v.astype(v_dtype))
 
     def _check_codable(self, keys: mx.array, values: mx.array) -> None:
         """Refuse an update that would code a non-finite token with a layout coding keys (or values) per channel
@@ -441,7 +441,7 @@ def _merge_decoded(caches, make_single, batch_class):
             single = c
         plain.append(single)
     warnings.warn("veloxquant_mlx: this model computes on its caches' keys / values (an MLA latent, say), so its "
-                      f"caches batch as mlx_lm's {batch_class.__name__}: uncompressed while batched", stacklevel=3)
+                  f"caches batch as mlx_lm's {batch_class.__name__}: uncompressed while batched", stacklevel=3)
     return batch_class.merge(plain)
 
 
