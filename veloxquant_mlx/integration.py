@@ -493,6 +493,7 @@ class KVCacheBuilder:
             raise ValueError("calibration applies to kind='packed' caches only")
         self.calibration = calibration
         self._checked = None  # weakref to the model the calibration was last checked against
+        self._facts = None  # (weakref to a model, what `_model_facts` read of it): once per model, not per build
 
     @classmethod
     def for_model(cls, model, config=None, *, max_kv_size: Optional[int] = None, route_attention: bool = True,
@@ -512,6 +513,20 @@ class KVCacheBuilder:
         return [dataclasses.replace(o, calibration_id=cal.id, channel_log2=cal.layer_log2(i))
                 for i, o in enumerate(per_layer)]
 
+    def _model_facts(self, model) -> tuple:
+        """``(uniform_head_dim, fetches_real_arrays, reads CacheList members raw)`` of ``model``: read from its
+        modules and source once (~3 ms), then kept while the builder builds for the same model (every request of
+        a server)."""
+        if self._facts is not None and self._facts[0]() is model:
+            return self._facts[1]
+        facts = (uniform_head_dim(model), fetches_real_arrays(model),
+                 any(_reads_member_arrays(n) for n in _model_modules(model)))
+        try:
+            self._facts = (weakref.ref(model), facts)
+        except TypeError:  # (a stand-in model that cannot be weakly referenced: read again next time)
+            self._facts = None
+        return facts
+
     def build(self, model, max_kv_size: Optional[int] = None, route_attention: bool = True) -> List[Any]:
         """New caches for ``model``: its own layout, with attention caches replaced by compressed ones.
 
@@ -523,7 +538,8 @@ class KVCacheBuilder:
         check_int("max_kv_size", max_kv_size, 1, optional=True)
         check_bool("route_attention", route_attention)
         base = _model_layout(model, max_kv_size)
-        n_layers, head_dim = len(base), uniform_head_dim(model)
+        head_dim, real_arrays, raw_members = self._model_facts(model)
+        n_layers = len(base)
         # a model without one head_dim (per-layer head dims, MLA latents): each cache reads its own at its first update
         per_layer = [self.options.for_layer(i, n_layers, head_dim) for i in range(n_layers)]  # validates first
         per_layer = self._calibrated(model, per_layer)
@@ -534,9 +550,9 @@ class KVCacheBuilder:
                 if note is not None and note not in self.notes:
                     self.notes.append(note)
         # MLA layers compute on the fetched latent before attention: they fetch decoded arrays
-        placeholders = attention_is_routable(model) and not fetches_real_arrays(model)
+        placeholders = attention_is_routable(model) and not real_arrays
         # the members a model reads raw (indexer keys) stay mlx_lm's
-        self._raw_members = any(_reads_member_arrays(n) for n in _model_modules(model))
+        self._raw_members = raw_members
         caches = [self._convert(c, per_layer[i], placeholders) for i, c in enumerate(base)]
         if route_attention and placeholders:
             for cache in caches:

@@ -23,7 +23,8 @@ def is_active() -> bool:
     """True while mlx_lm's attention is routed to ``attend_packed`` (inside ``use_packed_attention`` / between
     ``install`` and the matching ``uninstall`` of :mod:`veloxquant_mlx.integration`).
 
-    A packed cache's ``update_and_fetch`` may return `placeholder_history` tensors while this is True.
+    A packed cache's ``update_and_fetch`` may return placeholder tensors while this is True (ours return
+    `owned_placeholders`; `placeholder_history` is the shared kind, for a protocol cache of another library).
     """
     return _active
 
