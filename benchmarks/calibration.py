@@ -1,7 +1,7 @@
 """Calibrated caches against uncalibrated ones on SmolLM2-135M, on two corpora: the budgets' table and the levers.
 
 One command: calibrate (the default calibration text: the model's own greedy answers to
-`veloxquant_mlx.calibration.measure.DEFAULT_PROMPTS`, never an evaluation corpus) or load ``--calibration FILE``,
+`veloxquant_mlx.measure_calibration.DEFAULT_PROMPTS`, never an evaluation corpus) or load ``--calibration FILE``,
 then run every ``--configs`` entry in lockstep with the plain cache on each corpus (KL, top-1, perplexity, bits per
 coordinate from the stored bytes), and optionally passkey retrieval.
 

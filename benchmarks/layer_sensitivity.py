@@ -28,7 +28,7 @@ ensure_openblas()
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
 import veloxquant_mlx as vq  # noqa: E402
-from veloxquant_mlx.calibration.measure import default_calibration_tokens  # noqa: E402
+from veloxquant_mlx.measure_calibration import default_calibration_tokens  # noqa: E402
 from veloxquant_mlx.eval import corpus_tokens, perplexity_eval  # noqa: E402
 from veloxquant_mlx.eval.specs import CacheSpec, compressed_spec, with_calibration  # noqa: E402
 from veloxquant_mlx.integration import make_prompt_cache  # noqa: E402

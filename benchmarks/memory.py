@@ -5,6 +5,14 @@ For each cache: clear MLX's buffer cache, reset the peak counter, then run ``mlx
 greedy tokens; report ``mx.get_peak_memory()`` (model weights included) and the cache's stored bytes.
 
     python benchmarks/memory.py --prompt 4096 --decode 100 --out results/memory.json
+
+``--bits``: no model run; the one rule for bits (`veloxquant_mlx.eval.memory.measure_bits`: every stored byte of
+caches holding random tokens in SmolLM2's attention shape, 3 KV heads of 64) for each registered configuration at
+512, 2048, 3000 and 4096 tokens, averaged over a KL window's positions, and the most held after any chunk; the
+budget presets also in the layout before issue 47 (``-exact-tail``: tokens waiting for their key block held
+exact), for comparison:
+
+    python benchmarks/memory.py --bits --out results/bits.json
 """
 from __future__ import annotations
 
@@ -56,8 +64,41 @@ def run_one(model, prompt, make, n_decode, prefill_step):
             "cache_mib": stored / 2**20, "seconds": seconds, "tokens": tokens}
 
 
+def bits_table(kv_heads: int = 3, head_dim: int = 64, lengths=None) -> dict:
+    """name -> `measure_bits` of every registered configuration (and the budget presets with an exact tail)."""
+    import dataclasses
+
+    from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache
+    from veloxquant_mlx.eval.memory import REPORT_LENGTHS, measure_bits
+    from veloxquant_mlx.eval.specs import registered_specs
+    from veloxquant_mlx.options import BUDGETS, PRESETS
+
+    lengths = tuple(lengths or REPORT_LENGTHS)
+    makes = {s.name: s.make_cache for s in registered_specs()}
+    for name in BUDGETS:
+        exact = dataclasses.replace(PRESETS[name], codec="kblock_vsym8")
+        makes[f"{name}-exact-tail"] = lambda model, o=exact: [TurboQuantPackedCache(o) for _ in model.layers]
+    out = {}
+    for name, make in makes.items():
+        per_layer = name in PRESETS and (isinstance(PRESETS[name].k_bits, tuple) or
+                                         isinstance(PRESETS[name].v_bits, tuple))
+        out[name] = measure_bits(make, kv_heads, head_dim, lengths=lengths, n_layers=30 if per_layer else 1)
+    return out
+
+
+def print_bits(table: dict) -> None:
+    lengths = sorted(next(iter(table.values()))["bits"])
+    cols = [f"@{n}" for n in lengths] + [f"KL-avg @{n}" for n in lengths] + ["max"]
+    print(f"{'method':22s} " + " ".join(f"{c:>12s}" for c in cols))
+    for name, m in table.items():
+        cells = [m["bits"][n] for n in lengths] + [m["kl_average_bits"][n] for n in lengths] + \
+            [max(m["max_bits"].values())]
+        print(f"{name:22s} " + " ".join(f"{c:12.3f}" for c in cells))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bits", action="store_true", help="only the bits table (no model run; see above)")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--prompt", type=int, default=4096)
     ap.add_argument("--decode", type=int, default=100)
@@ -65,6 +106,16 @@ def main(argv=None):
     ap.add_argument("--caches", default="kv,mlx-q4,tq-k4v4,tq-k5v3-o8,tq-k4v2-o8")
     ap.add_argument("--out", default="results/memory.json")
     args = ap.parse_args(argv)
+
+    if args.bits:
+        table = bits_table()
+        print("bits per coordinate, every stored byte (random tokens, 3 KV heads of 64; the sink's tokens counted)")
+        print_bits(table)
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({n: {k: {str(x): y for x, y in v.items()} if isinstance(v, dict) else v for k, v in m.items()}
+                       for n, m in table.items()}, f, indent=1)
+        return
 
     model, tokenizer = load_model(args.model)
     mx.eval(model.parameters())

@@ -39,7 +39,28 @@ from veloxquant_mlx.eval import (  # noqa: E402
 )
 from veloxquant_mlx.calibration.file import SUFFIX as CALIBRATION_SUFFIX  # noqa: E402
 from veloxquant_mlx.eval.corpus import CORPORA, DEFAULT_CORPUS  # noqa: E402
+from veloxquant_mlx.eval.memory import REPORT_LENGTHS, measure_bits, model_kv_shape  # noqa: E402
+from veloxquant_mlx.codecs import CODECS, CodecLayout  # noqa: E402
+from veloxquant_mlx.codecs.kblock_tail import TailedBlockKeyCodec, TailedSymValueCodec  # noqa: E402
 from veloxquant_mlx.eval.specs import CONFIGURATIONS, compressed_spec, with_calibration  # noqa: E402
+from veloxquant_mlx.options import CacheOptions, preset  # noqa: E402
+
+
+# Issue 47's research layouts: the budget layout with its waiting keys' provisional codes at b + E bits (the
+# registered "kblock_vsym8_pt" is E = TAIL_EXTRA_BITS). Registered for this process only.
+def _tail_layout(extra: int) -> str:
+    name = f"kblock_vsym8_pt{extra}"
+    if name not in CODECS:
+        cls = type(f"TailedBlockKeyCodec{extra}", (TailedBlockKeyCodec,), {"TAIL_EXTRA_BITS": extra})
+        CODECS[name] = CodecLayout(cls, TailedSymValueCodec)
+    return name
+
+
+def _budget_variant(bits: int, **changes) -> dict:
+    """tq-{bits}b's options with ``changes`` (as make_prompt_cache keywords)."""
+    return {**{k: (list(v) if isinstance(v, tuple) else v) for k, v in preset(f"tq-{bits}b").to_dict().items()
+               if k not in ("calibration_id", "channel_log2", "head_dim")}, **changes}
+
 from veloxquant_mlx.models.loader import load_model  # noqa: E402
 
 # Our configurations: name -> make_prompt_cache options. Bits in the names are K/V code bits;
@@ -130,6 +151,10 @@ OURS = {
     **{f"kbs8-k4v4-s1-L5k{'-'.join(map(str, layers))}": dict(
         k_bits=[5 if i in layers else 4 for i in range(30)], v_bits=4, codec="kblock_vsym8", group_size=128,
         trim_headroom=0, center_keys=False, center_values=False, sink=1) for layers in ((1, 16), (0, 1, 16, 19))},
+    # Issue 47's tail levers on the budget presets (tq-Nb = "-pt1"): "-exact" = waiting tokens exact (float32 here,
+    # the layout before issue 47); "-ptE" = waiting keys provisionally coded at b + E bits, values coded on arrival.
+    **{f"tq{b}-exact": _budget_variant(b, codec="kblock_vsym8") for b in (4, 3, 2)},
+    **{f"tq{b}-pt{e}": _budget_variant(b, codec=_tail_layout(e)) for b in (4, 3, 2) for e in (0, 1, 2)},
     # The seed's cache: two b-bit RVQ key streams, float16 values.
     "seed-rvq-b1": dict(kind="rvq", k_bits=1),
     "seed-rvq-b2": dict(kind="rvq", k_bits=2),
@@ -151,12 +176,14 @@ def make_specs(names, calibration=None):
     for name in names:
         preset, plus, lever = name.partition("+")
         if plus:
-            if lever != "cal" or preset not in CONFIGURATIONS:
+            if lever != "cal" or (preset not in CONFIGURATIONS and preset not in OURS):
                 raise SystemExit(f"unknown config {name!r}: '+cal' follows a registered configuration "
-                                 f"({', '.join(CONFIGURATIONS)})")
+                                 f"({', '.join(CONFIGURATIONS)}) or a research one")
             if calibration is None:
                 raise SystemExit(f"{name!r} needs --calibration FILE")
-            specs.append(with_calibration(compressed_spec(preset, CONFIGURATIONS[preset]), calibration, "+cal"))
+            options = CONFIGURATIONS[preset] if preset in CONFIGURATIONS else CacheOptions(**{
+                k: (tuple(v) if isinstance(v, list) else v) for k, v in OURS[preset].items()})
+            specs.append(with_calibration(compressed_spec(preset, options), calibration, "+cal"))
         elif name in base:
             specs.append(base[name])
         elif name in CONFIGURATIONS:
@@ -253,6 +280,7 @@ def run(args) -> dict:
               for c in corpora if contexts}
     for corpus in tokens:
         results["corpora"][corpus] = {"tokens": len(tokens[corpus]), "ppl": {}}
+    results["bits"] = spec_bits(model, specs, sorted(set(REPORT_LENGTHS) | set(contexts)))
     for ctx, nw in zip(contexts, windows):  # every corpus at one context before the next (longer) context
         chosen = [s for s in specs if ctx not in subsets or s.name in subsets[ctx]]
         for corpus in corpora:
@@ -276,6 +304,41 @@ def run(args) -> dict:
     return results
 
 
+def spec_bits(model, specs, lengths) -> dict:
+    """name -> `measure_bits` of its caches (random tokens, the model's attention shape): every stored byte at each
+    of ``lengths`` and averaged over a window's positions (what its KL averages over). Calibration does not change
+    the bytes (the same arrays, weighted), so a ``+cal`` configuration is measured by its options alone; one layer
+    stands for all unless bits are set per layer."""
+    n_layers, kv_heads, head_dim = model_kv_shape(model)
+    out = {}
+    for s in specs:
+        o = s.options
+        if o is None:
+            make, layers = s.make_cache, n_layers
+        else:
+            make = lambda m, o=o: vq.make_prompt_cache(m, o)  # noqa: E731
+            layers = n_layers if isinstance(o.k_bits, tuple) or isinstance(o.v_bits, tuple) else 1
+        m = measure_bits(make, kv_heads, head_dim, model=None if o is not None else model, lengths=lengths,
+                         n_layers=layers)
+        out[s.name] = {k: {str(n): v for n, v in m[k].items()} for k in ("bits", "kl_average_bits", "max_bits")}
+    return out
+
+
+def bits_table(results) -> str:
+    """Markdown: each configuration's bits (every stored byte) at the reported lengths and averaged over a KL
+    window's positions."""
+    bits = results.get("bits") or {}
+    if not bits:
+        return ""
+    lengths = sorted({int(n) for b in bits.values() for n in b["bits"]})
+    head = ["method"] + [f"bits @{n}" for n in lengths] + [f"KL-window average @{n}" for n in lengths]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, b in bits.items():
+        out.append("| " + " | ".join([name] + [f"{b['bits'][str(n)]:.3f}" for n in lengths]
+                                     + [f"{b['kl_average_bits'][str(n)]:.3f}" for n in lengths]) + " |")
+    return "\n".join(out) + "\n"
+
+
 def _calibration(path, model, tokenizer):
     """The calibration in ``path``, or one made now on the default calibration text and saved there."""
     if os.path.exists(path):
@@ -297,6 +360,7 @@ def merge(runs):
            "corpora": {}, "needle": None}
     for r in runs:
         out["configs"].update(r["configs"])
+        out.setdefault("bits", {}).update(r.get("bits") or {})
         for corpus, per in r["corpora"].items():
             dst = out["corpora"].setdefault(corpus, {"tokens": per["tokens"], "ppl": {}})
             for ctx, rows in per["ppl"].items():
@@ -349,6 +413,9 @@ def text_table(results) -> str:
         n = needle_of(results, name)
         shown = f"{n['passed']}/{n['total']}" if n else "-"
         lines.append(f"{corpus:16s} {name:22s} {cells}  needle {shown}  {budget} {met}")
+    for name, b in (results.get("bits") or {}).items():
+        lines.append(f"bits {name:22s} " + " ".join(f"@{n}: {v:.3f}" for n, v in b["bits"].items())
+                     + "  KL-window average " + " ".join(f"@{n}: {v:.3f}" for n, v in b["kl_average_bits"].items()))
     return "\n".join(lines)
 
 
@@ -378,6 +445,10 @@ def markdown(results, args) -> str:
                       "-" if met is None else ("yes" if met else "no")]
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
+    if results.get("bits"):
+        out.append("Bits per coordinate, every stored byte (`veloxquant_mlx.eval.memory.measure_bits`, random tokens "
+                   "in the model's attention shape), at each length and averaged over a KL window's positions:\n")
+        out.append(bits_table(results))
     if needle:
         out.append(f"Passkey: filler from {needle['corpus']}, lengths {needle['lengths']} x depths 10/50/90 %.\n")
     cal = results.get("calibration")

@@ -23,6 +23,14 @@ that ``kv``'s step minus that row's is what the context costs the plain cache (t
 
     python benchmarks/step_profile.py --prompt 4096 --configs kv,tq-affine-k8v4,tq-prod-k4v4,tq-rvq-k2v2
     python benchmarks/step_profile.py --prompt 430 --configs kv,tq-affine-k8v4 --batch-cache --baseline-tokens 16
+
+``--fresh R``: what a generation pays once, in its first decode steps: R times per config (configs in turn), a fresh
+cache, a chunked prefill (each chunk's ``cache.state`` evaluated, as mlx_lm's ``generate_step`` does), then
+``--steps`` decode steps timed one by one; per step index the median over the R runs, the first steps against the
+median of the later ones. ``--cprofile K`` adds cProfile of step 1 against step K (Python only: the evaluation is one
+call), the functions whose time differs most.
+
+    python benchmarks/step_profile.py --prompt 4096 --configs kv,tq-affine-k8v4 --fresh 3 --steps 24 --cprofile 20
 """
 from __future__ import annotations
 
@@ -96,13 +104,22 @@ def main(argv=None):
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--prompt", type=int, default=4096)
     ap.add_argument("--chunk", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=8, help="timings of each part per config and round")
+    ap.add_argument("--steps", type=int, default=8, help="timings of each part per config and round "
+                    "(--fresh: decode steps per fresh run)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--configs", default="kv,tq-affine-k8v4,tq-mse-k4v4,tq-prod-k4v4,tq-rvq-k2v2")
     ap.add_argument("--batch-cache", action="store_true",
                     help="decode with each layer's cache merged into its batch class, one row (a batched server)")
     ap.add_argument("--baseline-tokens", type=int, default=0,
                     help="also profile kv at a prompt of this many tokens (0: not)")
+    ap.add_argument("--fresh", type=int, default=0, metavar="R",
+                    help="first steps against later ones: R times per config (configs in turn), a fresh cache, a "
+                         "chunked prefill of --prompt tokens, then --steps decode steps timed one by one (build / "
+                         "eval); per step index the median over the R runs (0: the usual profile)")
+    ap.add_argument("--cprofile", type=int, default=0, metavar="K",
+                    help="with --fresh: in the last run of each config, cProfile decode step 1 and step K (the "
+                         "Python that builds the step's graph and its evaluation call) and print the functions "
+                         "whose time differs most")
     ap.add_argument("--out", default="results/step_profile.json")
     args = ap.parse_args(argv)
     configs = [c for c in args.configs.split(",") if c]
@@ -129,6 +146,8 @@ def main(argv=None):
     n_q = args_model.num_attention_heads
     d = getattr(args_model, "head_dim", None) or args_model.hidden_size // n_q
 
+    if args.fresh:
+        return fresh_profile(model, prompt, configs, args, machine, blas_name, attention_kernel)
     runs = [(c, c, args.prompt) for c in configs]  # (row label, config, prompt tokens)
     if args.baseline_tokens:
         runs.append((f"kv@{args.baseline_tokens}", "kv", args.baseline_tokens))
@@ -189,6 +208,96 @@ def main(argv=None):
         json.dump({"machine": machine(), "blas": blas_name(), "prompt": args.prompt, "steps": args.steps,
                    "rounds": args.rounds, "batch_cache": args.batch_cache, "baseline_tokens": args.baseline_tokens,
                    "kernel": attention_kernel.status()[1], "rows": rows}, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+def _profiled(fn):
+    """``(result, pstats.Stats)`` of ``fn()`` under cProfile."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    out = prof.runcall(fn)
+    return out, pstats.Stats(prof)
+
+
+def _by_function(stats) -> dict:
+    """``{"file:line(name)": (calls, total seconds inside)}`` of a pstats.Stats."""
+    return {f"{os.path.basename(k[0])}:{k[1]}({k[2]})": (v[1], v[2]) for k, v in stats.stats.items()}
+
+
+def fresh_profile(model, prompt, configs, args, machine, blas_name, attention_kernel):
+    """``--fresh R``: what a generation's first decode steps cost against its later ones, per config."""
+    import mlx.core as mx
+
+    from e2e_speed import context_for, make_cache, prefill
+
+    K = args.steps
+    times = {c: {"prefill": [], "build": [[] for _ in range(K)], "step": [[] for _ in range(K)]} for c in configs}
+    profiles = {}
+    for r in range(args.fresh):
+        order = list(configs)
+        random.Random(r).shuffle(order)
+        for c in order:
+            gc.collect()
+            mx.clear_cache()
+            with context_for(c):
+                cache = make_cache(c, model)
+                t0 = time.perf_counter()
+                logits = prefill(model, cache, prompt, args.chunk)
+                mx.eval([layer.state for layer in cache])  # (what mlx_lm's generate_step evaluates per chunk)
+                times[c]["prefill"].append(time.perf_counter() - t0)
+                token = mx.argmax(logits, axis=-1)
+                mx.eval(token)
+                for i in range(K):
+                    def step(token=token):
+                        t0 = time.perf_counter()
+                        logits = model(token[:, None], cache=cache)
+                        t1 = time.perf_counter()
+                        nxt = mx.argmax(logits[:, -1], axis=-1)
+                        mx.eval(nxt)
+                        return nxt, t1 - t0, time.perf_counter() - t0
+                    if args.cprofile and r == args.fresh - 1 and i in (0, args.cprofile - 1):
+                        (token, b, t), st = _profiled(step)
+                        profiles[(c, i + 1)] = st
+                    else:
+                        token, b, t = step()
+                    times[c]["build"][i].append(b)
+                    times[c]["step"][i].append(t)
+            del cache
+        print(f"fresh run {r}: " + "  ".join(f"{c} prefill {times[c]['prefill'][-1]:.1f}s step1 "
+                                             f"{1e3 * times[c]['step'][0][-1]:.1f}ms" for c in configs), flush=True)
+    head = min(8, K)
+    print(f"\nms per decode step after a fresh {args.prompt}-token prefill (chunks of {args.chunk}), {args.fresh} "
+          f"fresh runs per config (median per step index; 'later' = median over steps {head + 1}..{K}); build = the "
+          "step's Python before evaluation")
+    print(f"{'config':16s} " + " ".join(f"{'s' + str(i + 1):>7s}" for i in range(head)) + f" {'later':>7s}"
+          f" {'extra ms in s1..s' + str(head):>18s}")
+    rows = []
+    for c in configs:
+        med = [1e3 * statistics.median(x) for x in times[c]["step"]]
+        bmed = [1e3 * statistics.median(x) for x in times[c]["build"]]
+        later = 1e3 * statistics.median([v for x in times[c]["step"][head:] for v in x]) if K > head else float("nan")
+        blater = 1e3 * statistics.median([v for x in times[c]["build"][head:] for v in x]) if K > head else float("nan")
+        extra = sum(m - later for m in med[:head])
+        print(f"{c:16s} " + " ".join(f"{m:7.1f}" for m in med[:head]) + f" {later:7.1f} {extra:18.1f}")
+        print(f"{'  build':16s} " + " ".join(f"{m:7.1f}" for m in bmed[:head]) + f" {blater:7.1f}")
+        rows.append({"config": c, "step_ms": med, "build_ms": bmed, "later_ms": later, "later_build_ms": blater,
+                     "extra_first_ms": extra, "prefill_s": times[c]["prefill"],
+                     "step_runs_ms": [[1e3 * v for v in x] for x in times[c]["step"]]})
+    for c in configs:
+        if (c, 1) in profiles and (c, args.cprofile) in profiles:
+            a, b = _by_function(profiles[(c, 1)]), _by_function(profiles[(c, args.cprofile)])
+            diff = sorted(((a.get(k, (0, 0))[1] - b.get(k, (0, 0))[1], k) for k in set(a) | set(b)), reverse=True)
+            print(f"\n{c}: cProfile, step 1 against step {args.cprofile}: functions by time inside (ms) step 1 - step "
+                  f"{args.cprofile} (calls in step 1 / step {args.cprofile})")
+            for d, k in diff[:12]:
+                print(f"  {1e3 * d:8.2f}  {a.get(k, (0, 0))[0]:5d}/{b.get(k, (0, 0))[0]:<5d} {k}")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"mode": "fresh", "machine": machine(), "blas": blas_name(), "prompt": args.prompt,
+                   "chunk": args.chunk, "steps": K, "fresh": args.fresh, "kernel": attention_kernel.status()[1],
+                   "kernel_calls": attention_kernel.calls(), "rows": rows}, f, indent=1)
     print(f"wrote {args.out}")
 
 

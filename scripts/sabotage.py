@@ -43,20 +43,20 @@ AFFINE_BITS = (2, 3, 4, 5, 6, 8)  # mx.quantize's bit-widths: "one lower" for th
 
 # -- the tests each sabotage runs (pytest node ids or files), each run well under two minutes --------------
 TESTS = {
-    "attention_off": ["tests/test_cli.py::test_generate_streams_answer",
-                      "tests/test_eval.py::test_lockstep_registered_specs_on_tiny_model",
-                      "tests/test_attention_hook.py", "tests/test_enable.py",
-                      "tests/test_codec_contract.py::test_a_new_layout_runs_a_model_from_its_codes"],
-    "random_keys": ["tests/test_builder.py::test_caches_run_in_a_model_of_each_family",
-                    "tests/test_mlx_lm_paths.py::test_8bit_greedy_tokens_equal_plain_cache",
-                    "tests/test_turboquant_cache.py"],
-    "bits_lower": ["tests/test_turboquant_cache.py", "tests/test_builder.py::test_caches_run_in_a_model_of_each_family",
-                   "tests/test_eval.py::test_lockstep_registered_specs_on_tiny_model",
-                   "tests/test_cli.py::test_methods_lists_measured_bytes"],
-    "loader_raises": ["tests/test_model_loading.py", "tests/test_cli.py::test_generate_streams_answer"],
-    "nbytes_half": ["tests/test_mlx_lm_paths.py::test_nbytes_is_the_sum_of_stored_arrays",
-                    "tests/test_eval.py::test_lockstep_registered_specs_on_tiny_model", "tests/test_packed_cache.py"],
-    "server_checks_off": ["tests/test_server.py"],
+    "attention_off": ["tests/apps/test_cli.py::test_generate_streams_answer",
+                      "tests/apps/test_eval.py::test_lockstep_registered_specs_on_tiny_model",
+                      "tests/cache/test_attention_hook.py", "tests/mlx_lm/test_enable.py",
+                      "tests/codecs/test_codec_contract.py::test_a_new_layout_runs_a_model_from_its_codes"],
+    "random_keys": ["tests/mlx_lm/test_builder.py::test_caches_run_in_a_model_of_each_family",
+                    "tests/mlx_lm/test_mlx_lm_paths.py::test_8bit_greedy_tokens_equal_plain_cache",
+                    "tests/seed_api/test_turboquant_cache.py"],
+    "bits_lower": ["tests/seed_api/test_turboquant_cache.py", "tests/mlx_lm/test_builder.py::test_caches_run_in_a_model_of_each_family",
+                   "tests/apps/test_eval.py::test_lockstep_registered_specs_on_tiny_model",
+                   "tests/apps/test_cli.py::test_methods_lists_measured_bytes"],
+    "loader_raises": ["tests/apps/test_model_loading.py", "tests/apps/test_cli.py::test_generate_streams_answer"],
+    "nbytes_half": ["tests/mlx_lm/test_mlx_lm_paths.py::test_nbytes_is_the_sum_of_stored_arrays",
+                    "tests/apps/test_eval.py::test_lockstep_registered_specs_on_tiny_model", "tests/cache/test_packed_cache.py"],
+    "server_checks_off": ["tests/apps/test_server.py"],
 }
 ENV = "VQ_SABOTAGE"
 NOT_APPLIED = "SABOTAGE NOT APPLIED"  # printed by the plugin when a target is missing (renamed?)

@@ -30,7 +30,7 @@ from .eval.corpus import CORPORA, CorpusMissing, DEFAULT_CORPUS
 from .eval.forward import greedy_decode, prefill
 from .eval.memory import DEFAULT_CONTEXT, measure_bytes_per_token, model_kv_shape, plan_context
 from .calibration.file import Calibration
-from .calibration.measure import calibrate
+from .measure_calibration import calibrate
 from .eval.specs import MLX_GROUP_SIZE, baseline_specs, registered_specs, resolve_spec, with_calibration
 from .integration import disable, enable, use_packed_attention
 from .models import ModelPackageMissing, load_model, max_context
@@ -548,7 +548,8 @@ def cmd_methods(args) -> int:
              ["n/a", "n/a", f"not applicable at head_dim={args.head_dim}: {why}"])
             for s, m, why in _measure_all(args.head_dim, args.kv_heads)]
     print(f"measured with head_dim={args.head_dim}, kv_heads={args.kv_heads}: every stored byte of one layer holding "
-          f"{DEFAULT_CONTEXT} random tokens after its exact sink tokens (the benchmarks' measurement)")
+          f"{DEFAULT_CONTEXT} random tokens, its sink and the tokens waiting for a block among them (the benchmarks' "
+          "measurement, veloxquant_mlx.eval.memory)")
     print(_table(["method", "family", "bits", f"bytes/token/layer @{DEFAULT_CONTEXT}", f"bits/coord @{DEFAULT_CONTEXT}",
                   "description"], rows))
     print(f"default: {DEFAULT_NAME} (`generate`, `serve`, `enable(model)` and `make_prompt_cache(model)` without "

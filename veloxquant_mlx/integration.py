@@ -64,14 +64,14 @@ from veloxquant_mlx.model_shape import head_dim as model_head_dim
 from veloxquant_mlx.options import adapted_reason, resolve_options
 from veloxquant_mlx.validate import check_bool, check_int
 
-# The cache classes this module builds, converts and registers with mlx_lm (the only imports of cache classes here).
+# The cache classes this module builds and converts (the only imports of cache classes here); the classes known by
+# name in prompt-cache files are `veloxquant_mlx.cache.registry.CACHE_CLASSES` (``integration.CACHE_CLASSES`` reads it).
+from veloxquant_mlx.cache import registry
 from veloxquant_mlx.cache.packed_cache import (TurboQuantBatchPackedCache, TurboQuantBatchRotatingPackedCache,
                                                TurboQuantPackedCache, TurboQuantRotatingPackedCache)
 from veloxquant_mlx.cache.chunked import TurboQuantChunkedPackedCache
+from veloxquant_mlx.cache.registry import mlx_lm_cache_classes
 from veloxquant_mlx.compat.turboquant_rvq_cache import TurboQuantRVQKVCache
-
-CACHE_CLASSES = (TurboQuantPackedCache, TurboQuantRotatingPackedCache, TurboQuantRVQKVCache, TurboQuantBatchPackedCache,
-                 TurboQuantBatchRotatingPackedCache, TurboQuantChunkedPackedCache)
 
 __all__ = [
     "CACHE_CLASSES", "attention_is_routable", "cache_report", "coverage_line", "disable", "enable",
@@ -421,28 +421,12 @@ def latent_attention(model) -> bool:
     return any(isinstance(getattr(m, "kv_lora_rank", None), int) for m in modules)
 
 
-# -- our cache classes in mlx_lm's namespace ----------------------------------------------------------------------
+# -- our cache classes in mlx_lm's namespace: `mlx_lm_cache_classes` and the classes, in cache/registry.py ----------
 
-@contextlib.contextmanager
-def mlx_lm_cache_classes():
-    """Make our cache classes (`CACHE_CLASSES`) visible to ``mlx_lm.models.cache`` by name, for the ``with`` block
-    only (mlx_lm's ``load_prompt_cache`` and ``CacheList.from_state`` look classes up there by ``__name__``)."""
-    namespace = vars(mlx_cache)
-    added = []
-    for cls in CACHE_CLASSES:
-        present = namespace.get(cls.__name__)
-        if present is None:
-            namespace[cls.__name__] = cls
-            added.append(cls.__name__)
-        elif present is not cls:
-            raise RuntimeError(
-                f"mlx_lm.models.cache already defines a different {cls.__name__}; refusing to shadow it"
-            )
-    try:
-        yield
-    finally:
-        for name in added:
-            namespace.pop(name, None)
+def __getattr__(name: str):
+    if name == "CACHE_CLASSES":  # read live: kinds registered later included
+        return registry.CACHE_CLASSES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # -- building caches ----------------------------------------------------------------------------------------------
@@ -601,19 +585,19 @@ def _chunked(cache, options, placeholders: bool):
 
 # The cache kinds: mlx_lm's cache class a model makes -> ``convert(cache, options, placeholders)`` giving ours.
 # A new kind is one module (its cache class, a face over `veloxquant_mlx.cache.rows.Rows`, and its conversion)
-# plus `register_cache_kind` (tests/test_new_cache_kind.py does exactly that).
+# plus `register_cache_kind` (tests/mlx_lm/test_new_cache_kind.py does exactly that).
 CACHE_KINDS: Dict[type, Callable] = {mlx_cache.KVCache: _full_attention, mlx_cache.RotatingKVCache: _sliding_window,
                                      mlx_cache.ChunkedKVCache: _chunked}
 
 
 def register_cache_kind(mlx_class: type, convert: Callable, *classes: type) -> None:
     """Build ``convert(cache, options, placeholders)`` for every ``mlx_class`` layer of a model, and know
-    ``classes`` by name in prompt-cache files (`mlx_lm_cache_classes`, `load_prompt_cache`)."""
-    global CACHE_CLASSES
+    ``classes`` by name in prompt-cache files (`mlx_lm_cache_classes`, `load_prompt_cache`: the registry,
+    `veloxquant_mlx.cache.registry`)."""
     if not isinstance(mlx_class, type) or not callable(convert):
         raise TypeError("register_cache_kind needs an mlx_lm cache class and a conversion function")
     CACHE_KINDS[mlx_class] = convert
-    CACHE_CLASSES = CACHE_CLASSES + tuple(c for c in classes if c not in CACHE_CLASSES)
+    registry.register_cache_classes(*classes)
 
 
 def make_prompt_cache(model, config=None, *, max_kv_size: Optional[int] = None, route_attention: bool = True,
@@ -649,7 +633,7 @@ def cache_report(caches) -> List[Tuple[str, str]]:
     for c in caches:
         if isinstance(c, mlx_cache.CacheList):
             out.extend(cache_report(c.caches))
-        elif isinstance(c, CACHE_CLASSES):
+        elif isinstance(c, registry.CACHE_CLASSES):
             out.append(("compressed", type(c).__name__))
         elif isinstance(c, mlx_cache.ArraysCache):
             out.append(("state", type(c).__name__))

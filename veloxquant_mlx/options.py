@@ -296,15 +296,19 @@ def _tq(method: str, k_bits: int, v_bits: int, codec: str = "lloyd_max") -> Cach
     return CacheOptions(method=method, k_bits=k_bits, v_bits=v_bits, sink=SINK_TOKENS, codec=codec)
 
 
-# The budget configurations of issues 16 and 28: the best measured configuration within each bit budget (bits per
-# coordinate averaged over K and V, every stored byte counted, at 2048 and 4096 tokens after the sink; BENCHMARKS.md
-# has the measurements and the levers tried). Layout "kblock_vsym8": keys per rotated channel over 128-token blocks
-# with least-squared-error clipped ranges (0.25 bit of float16 scale and bias), values per token with symmetric
-# levels and one one-byte log-grid scale per 64 coordinates (0.125 bit), attention on the codes throughout. The
-# 0.0625 bit the byte scales free pays for one exact sink token (the first, which most heads attend to): on
-# SmolLM2 it more than halves the KL at every budget (BENCHMARKS.md, issue 28). trim_headroom=0 codes a block as
-# soon as it is complete, so at 1 + a multiple of 128 tokens only the sink is exact (up to 127 newest tokens wait
-# exact in between). No centring: the keys' per-channel biases absorb their means.
+# The budget configurations of issues 16 and 28: the best measured configuration within each bit budget at 1 + a
+# multiple of 128 tokens (bits per coordinate averaged over K and V, every stored byte counted). Layout
+# "kblock_vsym8": keys per rotated channel over 128-token blocks with least-squared-error clipped ranges (0.25 bit
+# of float16 scale and bias), values per token with symmetric levels and one one-byte log-grid scale per 64
+# coordinates (0.125 bit), attention on the codes throughout. The 0.0625 bit the byte scales free pays for one
+# exact sink token (the first, which most heads attend to): on SmolLM2 it more than halves the KL at every budget
+# (BENCHMARKS.md, issue 28). trim_headroom=0 codes a block as soon as it is complete; up to 127 newest tokens wait
+# exact in between, so at other lengths the names do not hold (5.9 bits at 2048 for tq-4b:
+# `veloxquant_mlx.eval.memory.measure_bits`). Issue 47's layout "kblock_vsym8_pt" (waiting keys as provisional
+# per-token codes, values coded on arrival) holds the names at every length but is not the presets' layout: on a
+# 37-token chat prompt, where every token waits, its provisional keys gave KL 0.04 (tq-4b) and 0.48 (tq-3b) and a
+# garbled answer where the exact tail gives ~0 (BENCHMARKS.md, issue 47). No centring: the keys' per-channel
+# biases absorb their means.
 def _budget(bits: int) -> CacheOptions:
     return CacheOptions(codec="kblock_vsym8", k_bits=bits, v_bits=bits, group_size=128, trim_headroom=0,
                         center_keys=False, center_values=False, sink=1)

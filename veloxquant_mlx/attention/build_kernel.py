@@ -9,6 +9,12 @@ Needs CMake (>= 3.20), a C++20 compiler and nanobind at the version the installe
 binding and ours must share nanobind's ABI: MLX 0.32 is built with nanobind 3.1.0; another version builds but
 its module cannot take ``mlx.core.array``). The module lands beside this file (``_coded_attention*.so``) and
 records the MLX version it was built against; `veloxquant_mlx.attention.kernel` refuses it under another one.
+
+Instruction sets (`arch_flags`): on x86-64 ``-mavx2 -mfma -mf16c`` (any x86-64 CPU with AVX2, FMA and F16C runs
+the binary; a wheel built on one machine must not die with an illegal instruction on another, as
+``-march=native`` could); none on arm64 (NEON is baseline). The module records them and reports which of them the
+running CPU lacks; the loader refuses it then (the pure-MLX reference runs, one warning). ``VELOXQUANT_ARCH_FLAGS``
+(space-separated) replaces them, e.g. ``-march=native`` for a build that only ever runs where it was built.
 """
 from __future__ import annotations
 
@@ -20,7 +26,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import mlx
 import mlx.core as mx
@@ -52,6 +58,20 @@ def required_nanobind(mlx_version: str) -> Optional[str]:
     return NANOBIND_FOR_MLX.get(".".join(mlx_version.split(".")[:2]))
 
 
+# x86-64 extensions the kernel's vector code is written for (coded_attention.cpp's AVX2 / FMA / F16C paths).
+X86_FLAGS = ("-mavx2", "-mfma", "-mf16c")
+
+
+def arch_flags(machine: Optional[str] = None) -> List[str]:
+    """The compiler's instruction-set flags for ``machine`` (default: this one; env ``VELOXQUANT_ARCH_FLAGS``
+    replaces them): AVX2 / FMA / F16C on x86-64, none elsewhere."""
+    override = os.environ.get("VELOXQUANT_ARCH_FLAGS")
+    if override is not None:
+        return override.split()
+    machine = (machine or platform.machine()).lower()
+    return list(X86_FLAGS) if machine in ("x86_64", "amd64", "x64") else []
+
+
 def _check_tools() -> tuple:
     try:
         import nanobind  # a build-time dependency only (pyproject's build-system, scripts/setup.sh)
@@ -75,11 +95,14 @@ def build(out_dir: Optional[Path] = None, build_dir: Optional[Path] = None, verb
     out_dir = Path(out_dir or HERE).resolve()
     build_dir = Path(build_dir or (HERE.parent.parent / "build" / f"kernel-py{sys.version_info[0]}{sys.version_info[1]}"))
     build_dir.mkdir(parents=True, exist_ok=True)
-    arch = "-march=native" if platform.machine() in ("x86_64", "AMD64") else ""
+    arch = arch_flags()
+    # (said before the compiler runs: a failure below then names the MLX it was building against too)
+    print(f"veloxquant kernel: building against MLX {mlx_version} ({mlx_dir}), flags {' '.join(arch) or '(none)'}",
+          file=sys.stderr, flush=True)
     configure = [cmake, "-S", str(SOURCE_DIR), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
                  f"-DPython_EXECUTABLE={sys.executable}", f"-Dnanobind_ROOT={nb_dir}",
                  f"-DMLX_ROOT={mlx_dir / 'share' / 'cmake' / 'MLX'}", f"-DMLX_LIB_DIR={mlx_dir / 'lib'}",
-                 f"-DVELOXQUANT_OUT_DIR={out_dir}", f"-DVELOXQUANT_ARCH_FLAGS={arch}",
+                 f"-DVELOXQUANT_OUT_DIR={out_dir}", f"-DVELOXQUANT_ARCH_FLAGS={';'.join(arch)}",
                  f"-DVELOXQUANT_SOURCE_HASH={source_hash() or 'unknown'}"]
     jobs = str(max(os.cpu_count() or 1, 1))
     for cmd in (configure, [cmake, "--build", str(build_dir), "--config", "Release", "-j", jobs]):

@@ -6,17 +6,19 @@ values, any bits MLX packs, codebook codes, and a second code stream: TurboQuant
 residual codebook) plus exact tokens, in one pass over the codes with an online softmax, on
 every core. The pure-MLX path (`packed_sdpa.attend_one_query`) stays the reference and the fallback: the
 kernel is used only when it was built against the MLX that runs (``build_kernel.py``), passed a check against
-a direct computation on first use, the default device is the CPU and every part is of a kind it reads;
-otherwise attention runs on the reference, with one warning when the reason is that the kernel is missing or
-broken. ``VELOXQUANT_KERNEL=0`` (or `set_enabled(False)`) turns it off, for comparisons. The same module holds
-the affine codecs' encoding (`csrc/affine_encode.cpp`, used through `veloxquant_mlx.codecs._affine_encode`)
-and the batch caches' row gather (`csrc/gather_rows.cpp`, `gather_rows`), under the same switch and first-use
-check.
+a direct computation on first use, runs on this CPU (the instruction-set extensions it was compiled for, read
+from the module file before the import and asked of the module after it), the default device is the CPU and every
+part is of a kind it reads; otherwise attention runs on the reference, with one warning when the reason is that
+the kernel is missing, broken or built for another MLX or CPU. ``VELOXQUANT_KERNEL=0`` (or `set_enabled(False)`)
+turns it off, for comparisons. The same module holds the affine codecs' encoding (`csrc/affine_encode.cpp`, used
+through `veloxquant_mlx.codecs._affine_encode`) and the batch caches' row gather (`csrc/gather_rows.cpp`,
+`gather_rows`), under the same switch and first-use check.
 """
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import os
 import re
 import threading
@@ -88,16 +90,80 @@ def _smoke_check(mod) -> None:
             raise RuntimeError("the compiled row gather's check against mx.take failed")
 
 
+MODULE = "veloxquant_mlx.attention._coded_attention"
+# compiler flag -> the CPU feature it needs, as /proc/cpuinfo names it (build_kernel.X86_FLAGS and a few more)
+FLAG_FEATURES = {"-mavx": "avx", "-mavx2": "avx2", "-mfma": "fma", "-mf16c": "f16c", "-mbmi2": "bmi2",
+                 "-mavx512f": "avx512f", "-mavx512bw": "avx512bw", "-mavx512vl": "avx512vl"}
+
+
+def _cpu_flags() -> Optional[set]:
+    """This CPU's feature flags from /proc/cpuinfo (Linux), or None where they cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        return None
+    return None
+
+
+def _binary_flags(path: str) -> Optional[List[str]]:
+    """The instruction-set flags recorded in the module file at ``path`` (its ``VELOXQUANT_ARCH_FLAGS=`` marker),
+    read without importing it; None when it has no marker (a module built before it existed)."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except OSError:
+        return None
+    at = data.find(b"VELOXQUANT_ARCH_FLAGS=")
+    if at < 0:
+        return None
+    end = data.find(b"\0", at)
+    return data[at + len(b"VELOXQUANT_ARCH_FLAGS="):end].decode("ascii", "replace").split()
+
+
+def _missing_before_import() -> List[str]:
+    """CPU features the module's recorded flags need that this CPU lacks (/proc/cpuinfo), checked before it is
+    imported: its static initializers are compiled with those flags too, so even the import could die on an
+    illegal instruction. Empty where unknown (no cpuinfo, flags without a known feature: the module's own check
+    after the import still runs)."""
+    try:
+        spec = importlib.util.find_spec(MODULE)
+    except (ImportError, ValueError):  # (ValueError: a stand-in module without a spec, in tests)
+        spec = None
+    flags = _binary_flags(spec.origin) if spec is not None and spec.origin else None
+    cpu = _cpu_flags() if flags else None
+    if not cpu:
+        return []
+    return [FLAG_FEATURES[f] for f in flags if f in FLAG_FEATURES and FLAG_FEATURES[f] not in cpu]
+
+
+def _cpu_refusal(missing: Sequence[str]) -> str:
+    return (f"this CPU lacks {', '.join(missing)}, which the compiled kernel was built for (the default x86-64 build "
+            "needs AVX2, FMA and F16C); a build for this CPU without them: VELOXQUANT_ARCH_FLAGS=' ' "
+            "python -m veloxquant_mlx.attention.build_kernel")
+
+
 def _load():
     """The checked extension module, or None with `_reason` set."""
     global _module, _reason
     with _lock:
         if _module is not None or _reason is not None:
             return _module
+        missing = _missing_before_import()
+        if missing:
+            _reason = _cpu_refusal(missing)
+            return None
         try:
-            mod = importlib.import_module("veloxquant_mlx.attention._coded_attention")
+            mod = importlib.import_module(MODULE)
         except ImportError as e:
             _reason = f"the compiled kernel is not built ({e}); {BUILD_HINT}"
+            return None
+        lacking = getattr(mod, "missing_cpu_features", None)  # (a module built before it existed: not checked)
+        missing = list(lacking()) if lacking is not None else []
+        if missing:
+            _reason = _cpu_refusal(missing)
             return None
         if mod.built_with_mlx != mx.__version__:
             _reason = (f"the compiled kernel was built against MLX {mod.built_with_mlx}, MLX {mx.__version__} is "
@@ -149,7 +215,9 @@ def status() -> Tuple[bool, str]:
     mod = _load()
     if mod is None:
         return False, f"pure-MLX reference ({_reason})"
-    return True, f"compiled kernel ({mod.threads()} threads, built against MLX {mod.built_with_mlx})"
+    flags = getattr(mod, "built_with_flags", "")
+    return True, (f"compiled kernel ({mod.threads()} threads, built against MLX {mod.built_with_mlx}"
+                  f"{', ' + flags if flags else ''})")
 
 
 def _usable():
@@ -248,13 +316,22 @@ def _coded_arguments(coded, mod):
     it cannot. Kept on the part (with the arrays it was derived from): a cache hands the same part to every
     decode step until it codes its next block, so this runs once per block, not once per layer and step."""
     arrays = (*coded.k_arrays.values(), *coded.v_arrays.values())
-    memo = coded.__dict__.get("_kernel_arguments")
+    memos = coded.__dict__.setdefault("_kernel_arguments", {})  # per module (benchmarks compare two builds)
+    memo = memos.get(id(mod))
     if memo is not None and memo[0] is mod and len(memo[1]) == len(arrays) and \
             all(a is b for a, b in zip(memo[1], arrays)):
         return memo[2]
     result = _derive_coded_arguments(coded, mod)
-    coded.__dict__["_kernel_arguments"] = (mod, arrays, result)
+    if len(memos) > 2:
+        memos.clear()
+    memos[id(mod)] = (mod, arrays, result)
     return result
+
+
+def _group_ok(codes, d: int) -> bool:
+    """Groups the kernel reads: 32, 64 or 128 coordinates / tokens, or (per-token codes) the whole vector of a head
+    dim that is a multiple of 8 (Lloyd-Max codes at d = 80, one norm per token)."""
+    return codes.group in (32, 64, 128) or (not codes.tokens_last and codes.group == d and d % 8 == 0)
 
 
 def _derive_coded_arguments(coded, mod):
@@ -264,7 +341,7 @@ def _derive_coded_arguments(coded, mod):
         return None
     ka, va = (_readable_scales(c, mod) for c in (kc(coded.k_arrays), vc(coded.v_arrays)))
     if ka is None or va is None or (ka.biases is None and ka.levels is None) or \
-            ka.group not in (32, 64, 128) or va.group not in (32, 64, 128):
+            not (_group_ok(ka, coded.k_codec.d) and _group_ok(va, va.rotation.shape[0])):
         return None
     k2, v2 = ka.extra, va.extra
     if k2 is not None and (ka.tokens_last or k2.tokens_last or k2.levels is None or k2.biases is not None
@@ -284,6 +361,60 @@ def _derive_coded_arguments(coded, mod):
 
 MAX_ROWS = 16  # query rows per KV head one call takes (the kernel's MAX_R)
 
+# A coded part of at most this many tokens beside the main one (a per-token codec's old tail, read through a round
+# trip while its exact window holds the newest tokens; the budget layouts' provisional tail, up to a 128-token key
+# block less one) joins the exact tokens decoded: a few small MLX ops, instead of the whole step on the reference.
+DECODED_PART_TOKENS = 128
+
+
+class _Exact:
+    """An exact part's keys and values (a decoded small coded part)."""
+
+    def __init__(self, keys, values):
+        self.keys, self.values = keys, values
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[2]
+
+
+def _coded_and_exact(parts, masks):
+    """``(coded part, its mask, spans, [(exact part, mask)])`` as one kernel call reads ``parts``, or None.
+
+    One coded part is read from its codes: the only one, or the ``whole`` that several parts are slot ranges of
+    (``CodedPart.within``, a window's codes on either side of its evicted slots: ``spans``, the slots read, else
+    None). Other coded parts of at most `DECODED_PART_TOKENS` tokens are decoded and join the exact tokens, in
+    their place in the order (a causal chunk's mask counts the exact tokens from the end)."""
+    coded, exact = [], []
+    for i, p in enumerate(parts):
+        m = None if masks is None else masks[i]
+        if hasattr(p, "k_codec"):  # a CodedPart (packed_sdpa, which calls this, defines the parts)
+            coded.append((i, p, m))
+        elif p.keys.shape[2]:
+            exact.append((i, p, m))
+    if not coded:
+        return None
+    spans = None
+    within = [c for c in coded if getattr(c[1], "within", None) is not None]
+    if len(within) > 1 and all(c[1].within[0] is within[0][1].within[0] and c[2] is None for c in within):
+        main, cm = within[0][1].within[0], None
+        spans = sorted((c[1].within[1], c[1].within[2]) for c in within)
+        if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
+            return None
+        spans = [t for span in spans for t in span]
+        taken = {c[0] for c in within}
+        rest = [c for c in coded if c[0] not in taken]
+    else:
+        first, main, cm = max(coded, key=lambda c: c[1].length)
+        rest = [c for c in coded if c[0] != first]
+    for i, p, m in rest:
+        if p.length > DECODED_PART_TOKENS:
+            return None
+        exact.append((i, _Exact(p.k_codec.decode(p.k_arrays, mx.float32), p.v_codec.decode(p.v_arrays, mx.float32)),
+                      m))
+    exact.sort(key=lambda e: e[0])
+    return main, cm, spans, [(p, m) for _, p, m in exact]
+
 
 def _causal_rows(R: int, L: int, ne: int, G: int, later: int = 0) -> mx.array:
     """Bool ``(G*R*L, ne)``: query row ``(r, l)`` of ``L`` queries followed by ``later`` more chunk tokens (together
@@ -296,9 +427,10 @@ def decode_step(queries: mx.array, parts: Sequence, scale: float, sinks: Optiona
                 masks: Optional[Sequence[Optional[mx.array]]] = None, chunk: bool = False,
                 later: int = 0) -> Optional[mx.array]:
     """`attend_one_query` through the compiled kernel: ``(B, Hq, 1, d)`` -> ``(B, Hq, 1, dv)``, or None when this
-    step is not one it runs (then the caller runs the reference). Parts: at most one coded part whose codecs
-    offer `affine_codes` (a second code stream included: Prod's signs, RVQ's residual codes), any exact parts
-    (merged: one query sees keys in any order).
+    step is not one it runs (then the caller runs the reference). Parts: one coded part whose codecs offer
+    `affine_codes` (a second code stream included: Prod's signs, RVQ's residual codes), or several that are slot
+    ranges of one (a sliding window past eviction: read in one pass), plus small coded parts decoded
+    (`_coded_and_exact`), any exact parts (merged: one query sees keys in any order).
 
     ``chunk``: the queries ``(B, Hq, L, d)`` are a short prompt chunk, the last ``L`` tokens stored, with mlx_lm's
     causal mask (no ``masks``), or the first ``L`` of them when ``later`` more follow (a chunk of more than
@@ -313,17 +445,10 @@ def decode_step(queries: mx.array, parts: Sequence, scale: float, sinks: Optiona
     if chunk and (masks is not None or not parts or hasattr(parts[-1], "k_codec") or
                   parts[-1].keys.shape[2] < L + later):
         return None
-    coded, exact, cm = None, [], None
-    for i, p in enumerate(parts):
-        m = None if masks is None else masks[i]
-        if hasattr(p, "k_codec"):  # a CodedPart (packed_sdpa, which calls this, defines the parts)
-            if coded is not None:
-                return None
-            coded, cm = p, m
-        elif p.keys.shape[2]:
-            exact.append((p, m))
-    if coded is None:
+    picked = _coded_and_exact(parts, masks)
+    if picked is None:
         return None
+    coded, cm, spans, exact = picked
     args = _coded_arguments(coded, mod)
     if args is None:
         return None
@@ -359,7 +484,7 @@ def decode_step(queries: mx.array, parts: Sequence, scale: float, sinks: Optiona
             q, ka.rotation, va.rotation, ka.w, ka.scales, ka.biases, ka.tokens_last, ka.bits, ka.group,
             va.w, va.scales, va.biases, va.tokens_last, va.bits, va.group, float(va.zero),
             ek.astype(mx.float32), ev.astype(mx.float32), ka.mean, va.mean, cmask, emask, s, ka.levels, va.levels,
-            *tail_args)
+            *tail_args, **({"spans": spans} if spans is not None else {}))
     except (ValueError, TypeError, RuntimeError) as e:  # a layout the kernel refuses: the reference takes the call
         _refused(e)
         return None

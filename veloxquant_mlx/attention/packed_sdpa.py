@@ -85,12 +85,17 @@ class ExactPart:
 
 @dataclass
 class CodedPart:
-    """Tokens held as codes: ``k_arrays`` / ``v_arrays`` are what ``k_codec`` / ``v_codec`` encoded (n tokens)."""
+    """Tokens held as codes: ``k_arrays`` / ``v_arrays`` are what ``k_codec`` / ``v_codec`` encoded (n tokens).
+
+    ``within``: ``(whole, lo, hi)`` when these codes are slots ``[lo, hi)`` of the coded part ``whole`` (views of
+    its arrays; a sliding window's parts on either side of its evicted slots): the compiled kernel then reads all
+    such parts of one ``whole`` in one pass over its codes, skipping the slots between them."""
 
     k_codec: object
     k_arrays: Dict[str, mx.array]
     v_codec: object
     v_arrays: Dict[str, mx.array]
+    within: Optional[Tuple["CodedPart", int, int]] = None
 
     @property
     def length(self) -> int:
@@ -373,7 +378,7 @@ def attend_one_query(queries: mx.array, parts: Sequence[Part], scale: float, sin
 
     Codes a codec describes as `AffineCodes` (affine, symmetric, and TurboQuant-MSE / -Prod / -RVQ codebook
     codes) on the CPU run the compiled kernel (`veloxquant_mlx.attention.kernel`) when it is built; this
-    function's MLX ops below are its reference (tests/test_kernel.py) and its fallback.
+    function's MLX ops below are its reference (tests/cache/test_kernel.py) and its fallback.
     """
     out = kernel.decode_step(queries, parts, scale, sinks, masks)
     if out is not None:
@@ -446,7 +451,7 @@ def _short_softmax_values(scores: List[mx.array], parts: Sequence[Part], sinks, 
             cuts.append(at)
         ws = mx.split(mx.softmax(mx.concatenate(cols, axis=-1), axis=-1, precise=True), cuts, axis=-1)
     # Not `_weighted_values(ws, 1 - sink weight, ...)`: that form gave other decode logits on 2-rank pipeline runs
-    # (tests/test_distributed.py) though equal in one process; not understood yet, so the sum stays explicit.
+    # (tests/mlx_lm/test_distributed.py) though equal in one process; not understood yet, so the sum stays explicit.
     mu = _shared_offset(parts)
     if mu is not None:
         mu = mx.expand_dims(mu, (0, 2))  # (1, Hkv, 1, dv)

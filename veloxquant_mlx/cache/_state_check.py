@@ -12,7 +12,7 @@ from typing import Any, Dict, Tuple
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache.rows import Rows, rows_from_arrays
+from veloxquant_mlx.cache.rows import Rows, TailCoder, rows_from_arrays
 from veloxquant_mlx.codecs import codec_layout
 from veloxquant_mlx.config import KVCacheConfig
 from veloxquant_mlx.options import CacheOptions
@@ -83,6 +83,28 @@ def _check_exact(cls, name: str, arrays: Dict[str, mx.array], dims) -> None:
         raise _fail(cls, f"the {name} window's 'k' and 'v' disagree on (B, H, n)")
 
 
+def _check_tail(cls, arrays: Dict[str, mx.array], dims, coder, codec: str) -> int:
+    """The tail's arrays as this layout stores them (exact ``k`` / ``v``, or ``coder``'s fields); its token count."""
+    if coder is None:
+        _check_exact(cls, "tail", arrays, dims)
+        return arrays["k"].shape[2]
+    fields = coder.fields(dims)
+    if set(arrays) != set(fields):
+        old = " (an exact tail: saved by a version that held waiting tokens exact, or of another layout)" \
+            if set(arrays) == {"k", "v"} else ""
+        raise _fail(cls, f"codec={codec!r} stores the tokens waiting for their key block as codes "
+                         f"{sorted('t_' + f for f in fields)}, got tail arrays {sorted('t_' + f for f in arrays)}{old}")
+    lead = {tuple(a.shape[:3]) for a in arrays.values()}
+    if len(lead) != 1:
+        raise _fail(cls, f"the tail's code arrays disagree on (B, H, n): {sorted(lead)}")
+    for f, (trailing, dtype) in fields.items():
+        a = arrays[f]
+        if a.ndim != 3 + len(trailing) or tuple(a.shape[3:]) != tuple(trailing) or a.dtype != dtype:
+            raise _fail(cls, f"tail array t_{f} has shape {tuple(a.shape)} {a.dtype}, expected (B, H, n, "
+                             f"{', '.join(map(str, trailing))}) {dtype}")
+    return lead.pop()[2]
+
+
 def single_prefixes(block: int) -> tuple:
     """Array name prefixes of a single cache's state: sink, tail, key codes, value codes, fitted key / value
     parameters (format-1 names: per-token key codes "c_k_*", transposed block keys "kc_*")."""
@@ -107,10 +129,11 @@ def restore_rows(cls, state: Dict[str, Any], meta: Dict[str, Any], options, wind
         raise _fail(cls, f"unexpected arrays {unexpected}")
     s_, t_, kc_, cv_, kfit_, vfit_ = prefixes
     counts = {}
-    for prefix, what in ((s_, "sink"), (t_, "tail")):
-        if loaded[prefix]:
-            _check_exact(cls, what, loaded[prefix], dims)
-        counts[prefix] = loaded[prefix]["k"].shape[2] if loaded[prefix] else 0
+    if loaded[s_]:
+        _check_exact(cls, "sink", loaded[s_], dims)
+    counts[s_] = loaded[s_]["k"].shape[2] if loaded[s_] else 0
+    coder = None if window else TailCoder.for_codecs(options, codecs)
+    counts[t_] = _check_tail(cls, loaded[t_], dims, coder, options.codec) if loaded[t_] else 0
     for prefix, codec in ((kc_, codecs[0]), (cv_, codecs[1])):
         if loaded[prefix]:
             try:
@@ -223,7 +246,13 @@ def restore_batch_rows(cls, state: Dict[str, Any], meta: Dict[str, Any], batch: 
     sink, S = exact("s_", "sink")
     if sink is not None and S != batch.options.sink:
         raise _fail(cls, f"the sink arrays hold {S} slots, expected sink={batch.options.sink}")
-    tail, L = exact("t_", "tail")
+    tail = _take(cls, state, "t_")
+    claimed.update("t_" + n for n in tail)
+    L = _check_tail(cls, tail, batch.dims, batch.tail.coder, batch.options.codec) if tail else 0
+    if tail and tail[next(iter(tail))].shape[:2] != (B, H):
+        raise _fail(cls, f"the tail window's arrays must hold (B, H) = ({B}, {H}), got "
+                         f"{tuple(tail[next(iter(tail))].shape[:2])}")
+    tail = tail or None
     capacity = None
     for prefix, store in (("ck_", batch.k_codes), ("cv_", batch.v_codes)):
         arrays = _take(cls, state, prefix)
@@ -276,8 +305,12 @@ def restore_batch_rows(cls, state: Dict[str, Any], meta: Dict[str, Any], batch: 
                              f"{rows['coded'][i]}, tail {rows['tail_n'][i]}) exceed the stored slots (sink {S}, "
                              f"codes {capacity}, tail {L})")
     batch.sink = sink
+    if sink is not None:
+        batch.tail.dtypes = {n: a.dtype for n, a in sink.items()}
     if tail is not None:
-        batch.tail.load(tail)
+        batch.tail.load_raw(tail)
+        if batch.tail.coder is None:
+            batch.tail.dtypes = {n: a.dtype for n, a in tail.items()}
     for name in BATCH_ROWS:
         setattr(batch, name, list(rows[name]))
     batch.gone, batch.fitted = list(rows["start"]), list(rows["fitted"])

@@ -24,6 +24,7 @@ class TokenStore:
     """Step-grown buffers ``name -> (B, H, capacity, ...)``; ``length`` tokens are live."""
 
     def __init__(self, step: int = 256):
+        self.writes = 0  # mutations so far: what a memo of the stored tokens checks (slots are written in place)
         self.step = int(step)
         self.buffers: Dict[str, mx.array] = {}
         self.length = 0
@@ -31,6 +32,7 @@ class TokenStore:
     # -- writing -----------------------------------------------------------------------------
     def append(self, chunk: Dict[str, mx.array]) -> None:
         """Append ``T`` tokens: every array in ``chunk`` is ``(B, H, T, ...)`` with the same ``T``."""
+        self.writes += 1
         if not chunk:
             return
         n_new = next(iter(chunk.values())).shape[TOKEN_AXIS]
@@ -69,6 +71,7 @@ class TokenStore:
 
     def trim(self, n: int) -> int:
         """Forget the last ``n`` tokens (storage is kept for reuse); returns how many were dropped."""
+        self.writes += 1
         n = max(0, min(int(n), self.length))
         self.length -= n
         return n
@@ -76,6 +79,7 @@ class TokenStore:
     def delete(self, start: int, stop: int, room: int = 1) -> None:
         """Remove live tokens ``[start, stop)``; later tokens move down (one copy of the live part). Capacity is
         kept for ``room`` more tokens (whole steps; never more than it was)."""
+        self.writes += 1
         start, stop = max(0, start), min(stop, self.length)
         if stop <= start:
             return
@@ -133,6 +137,7 @@ class TokenStore:
 
     def load(self, arrays: Dict[str, mx.array]) -> None:
         """Hold ``live_arrays()`` output (all arrays share the token count) in place of the current buffers."""
+        self.writes += 1
         self.buffers, self.length = {}, 0
         if arrays:
             lengths = {a.shape[TOKEN_AXIS] for a in arrays.values()}
@@ -147,3 +152,98 @@ class TokenStore:
         store = cls(step)
         store.load(arrays)
         return store
+
+
+class CodedTail:
+    """A cache's tail: exact tokens ``{"k", "v"}`` in, exact tokens out, stored as ``coder`` codes them.
+
+    ``raw`` (a `TokenStore`) holds what is stored: the exact arrays themselves when ``coder`` is None, else the
+    coder's per-token fields (``coder.encode({"k", "v"}) -> {field: (B, H, n, ...)}``, ``coder.decode(fields,
+    dtypes) -> {"k", "v"}``, ``coder.fields(dims) -> {field: (trailing shape, dtype)}``). What reads tokens
+    (`view`, `buffers`: attention, fitting, coding blocks) gets them decoded; what moves tokens between slots or rows
+    (roll, cut, gather, concatenate, save, load) works on ``raw`` (`live_arrays`, `load_raw`), never re-coding.
+    Bytes are ``raw``'s.
+    """
+
+    def __init__(self, step: int = 256, coder=None):
+        self.raw = TokenStore(step)
+        self.coder = coder
+        self.dtypes: Dict[str, mx.Dtype] = {}  # the exact tokens' dtypes, "k" and "v" (from the first append)
+
+    # -- sizes -----------------------------------------------------------------------------------
+    @property
+    def length(self) -> int:
+        return self.raw.length
+
+    @property
+    def capacity(self) -> int:
+        return self.raw.capacity
+
+    @property
+    def step(self) -> int:
+        return self.raw.step
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.nbytes
+
+    def dtype(self, name: str = "k") -> mx.Dtype:
+        return self.dtypes.get(name, mx.float32)
+
+    def fields(self, dims) -> Dict[str, tuple]:
+        """``{raw field: (trailing shape, dtype)}`` for keys / values of head dims ``dims``."""
+        if self.coder is None:
+            return {n: ((d,), self.dtype(n)) for n, d in zip("kv", dims)}
+        return self.coder.fields(dims)
+
+    # -- exact tokens in and out ------------------------------------------------------------------
+    def _encode(self, chunk: Dict[str, mx.array]) -> Dict[str, mx.array]:
+        for n, a in chunk.items():
+            self.dtypes.setdefault(n, a.dtype)
+        if self.coder is None or not chunk or next(iter(chunk.values())).shape[TOKEN_AXIS] == 0:
+            return chunk
+        return self.coder.encode(chunk)
+
+    def decode(self, raw: Dict[str, mx.array], dtypes: Optional[Dict[str, mx.Dtype]] = None) -> Dict[str, mx.array]:
+        """Raw arrays (of this store, or slices of them) -> exact ``{"k", "v"}``."""
+        if self.coder is None or not raw:
+            return raw
+        return self.coder.decode(raw, dtypes or {n: self.dtype(n) for n in "kv"})
+
+    def append(self, chunk: Dict[str, mx.array]) -> None:
+        self.raw.append(self._encode(chunk))
+
+    def load(self, arrays: Dict[str, mx.array]) -> None:
+        """Hold exact tokens ``arrays`` (coded, when coded)."""
+        self.raw.load(self._encode(arrays))
+
+    def view(self, start: int = 0, stop: Optional[int] = None) -> Dict[str, mx.array]:
+        """The live tokens ``[start, stop)``, exact (decoded when coded)."""
+        return self.decode(self.raw.view(start, stop))
+
+    @property
+    def buffers(self) -> Dict[str, mx.array]:
+        """The stored tokens as exact arrays: the buffers themselves (spare slots included) when exact, else the live
+        tokens decoded (a transient, never held)."""
+        if self.coder is None:
+            return self.raw.buffers
+        return self.decode(self.raw.view()) if self.raw.length else {}
+
+    # -- stored arrays, moved as they are ---------------------------------------------------------
+    def live_arrays(self) -> Dict[str, mx.array]:
+        """What goes into a cache's ``state``: the live part of every stored array."""
+        return self.raw.view()
+
+    def load_raw(self, arrays: Dict[str, mx.array]) -> None:
+        self.raw.load(arrays)
+
+    def trim(self, n: int) -> int:
+        return self.raw.trim(n)
+
+    def delete(self, start: int, stop: int, room: int = 1) -> None:
+        self.raw.delete(start, stop, room)
+
+    def copy(self) -> "CodedTail":
+        new = CodedTail(self.raw.step, self.coder)
+        new.raw, new.dtypes = self.raw.copy(), dict(self.dtypes)
+        return new

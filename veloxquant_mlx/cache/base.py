@@ -8,7 +8,9 @@
 """
 from __future__ import annotations
 
+from veloxquant_mlx.compat.turboquant_cache import STANDALONE_METHODS
 from veloxquant_mlx.options import METHODS
 
+__all__ = ["SERVABLE_METHODS", "STANDALONE_METHODS"]
+
 SERVABLE_METHODS = frozenset(METHODS)
-STANDALONE_METHODS = frozenset({"turboquant_mse", "turboquant_prod"})

@@ -756,7 +756,7 @@ class TurboQuantBatchPackedCache(_PackedFace):
         out: Dict[str, Any] = {"meta": json.dumps(meta, sort_keys=True)}
         if r.dims is None:
             return out
-        for prefix, arrays in (("s_", r.sink or {}), ("t_", r.tail.view() if r.tail.length else {}),
+        for prefix, arrays in (("s_", r.sink or {}), ("t_", r.tail.live_arrays() if r.tail.length else {}),
                                ("ck_", r.k_codes.arrays), ("cv_", r.v_codes.arrays),
                                ("kfit_", r.fitted_rows(0)), ("vfit_", r.fitted_rows(1))):
             out.update({prefix + n: a for n, a in arrays.items()})

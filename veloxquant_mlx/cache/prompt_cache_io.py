@@ -7,7 +7,7 @@ JSON string), so a file is self-describing; the seed page's `TurboQuantRVQKVCach
 (`META_STATE_KEY`) and `load_prompt_cache` passes it back.
 
 mlx_lm's ``load_prompt_cache`` looks class names up in its own module's globals, where ours are not.
-`mlx_lm_cache_classes()` (:mod:`veloxquant_mlx.integration`, importable from here too) is an explicit, reversible
+`mlx_lm_cache_classes()` (:mod:`veloxquant_mlx.cache.registry`, importable from here and the integration too) is an explicit, reversible
 context in which they are: inside the ``with`` block, ``mlx_lm.models.cache.load_prompt_cache`` (and ``CacheList``
 restores) can rebuild our caches; on exit the module is as it was. Nothing is patched at import time.
 
@@ -32,8 +32,9 @@ from mlx.utils import tree_unflatten
 from mlx_lm.models import cache as mlx_cache
 
 from veloxquant_mlx._version import __version__
-from veloxquant_mlx import integration
-from veloxquant_mlx.integration import TurboQuantRVQKVCache, mlx_lm_cache_classes
+from veloxquant_mlx.cache import registry
+from veloxquant_mlx.cache.registry import mlx_lm_cache_classes
+from veloxquant_mlx.compat.turboquant_rvq_cache import TurboQuantRVQKVCache
 
 VERSION_KEY = "__veloxquant_mlx_version__"
 # Per layer, the meta_state of caches whose from_state needs one (the seed's TurboQuantRVQKVCache: its state is
@@ -114,7 +115,7 @@ def _read_meta_states(metadata: dict, n_layers: int, path: str) -> list:
 
 def _classes_by_name() -> dict:
     names = {n: c for n, c in vars(mlx_cache).items() if isinstance(c, type) and hasattr(c, "from_state")}
-    names.update({c.__name__: c for c in integration.CACHE_CLASSES})  # (kinds registered later included)
+    names.update({c.__name__: c for c in registry.CACHE_CLASSES})  # (kinds registered later included)
     return names
 
 

@@ -30,7 +30,7 @@ from mlx_lm.models.cache import dynamic_roll
 
 from veloxquant_mlx.attention.kernel import gather_rows
 from veloxquant_mlx.attention.packed_sdpa import CodedPart, ExactPart
-from veloxquant_mlx.cache._token_store import TokenStore
+from veloxquant_mlx.cache._token_store import CodedTail
 from veloxquant_mlx.codecs import codec_layout
 
 CODE_STEP = 256  # code slots added at a time for per-token codecs (block codecs grow one block at a time)
@@ -49,6 +49,43 @@ def fold(a: mx.array) -> mx.array:
 
 def column(values: Sequence[int]) -> mx.array:
     return mx.array(list(values), dtype=mx.int32).reshape(-1, 1, 1, 1)
+
+
+class TailCoder:
+    """How a block layout stores the tokens waiting for their key block (`CodedTail`'s coder): keys as the key
+    codec's provisional per-token codes (``tail_codec()``), values as the value codec's own codes (they move into
+    the value store unchanged when their block is coded). Raw fields ``k_<field>`` / ``v_<field>``."""
+
+    def __init__(self, k_codec, v_codec):
+        self.k, self.v = k_codec, v_codec
+
+    @staticmethod
+    def for_codecs(options, base) -> Optional["TailCoder"]:
+        """The coder of a layout that declares one (a key codec with ``tail_codec``, a value codec with
+        ``codes_tail``), when nothing is fitted and no exact window is asked for; else None (an exact tail)."""
+        k, v = base
+        if not (hasattr(k, "tail_codec") and getattr(v, "codes_tail", False)) or options.recent:
+            return None
+        if k.blank_fitted(1) or v.blank_fitted(1):
+            return None
+        return TailCoder(k.tail_codec(), v)
+
+    def fields(self, dims) -> Dict[str, tuple]:
+        return {**{"k_" + f: spec for f, spec in self.k.token_fields().items()},
+                **{"v_" + f: spec for f, spec in self.v.token_fields().items()}}
+
+    def split(self, raw: Dict[str, mx.array]):
+        """Raw fields -> (key codes, value codes)."""
+        return ({f[2:]: a for f, a in raw.items() if f.startswith("k_")},
+                {f[2:]: a for f, a in raw.items() if f.startswith("v_")})
+
+    def encode(self, chunk: Dict[str, mx.array]) -> Dict[str, mx.array]:
+        return {**{"k_" + f: a for f, a in self.k.encode(chunk["k"]).items()},
+                **{"v_" + f: a for f, a in self.v.encode(chunk["v"]).items()}}
+
+    def decode(self, raw: Dict[str, mx.array], dtypes) -> Dict[str, mx.array]:
+        k, v = self.split(raw)
+        return {"k": self.k.decode(k, dtypes["k"]), "v": self.v.decode(v, dtypes["v"])}
 
 
 # -- what a codec declares, read once per configuration ------------------------------------------------------
@@ -201,7 +238,7 @@ class Rows:
         self.sink: Optional[Dict[str, mx.array]] = None  # {"k", "v"}: (B, H, S, d)
         self._sink_views = None  # (sink k, sink v, S, folded part): `_sink_part`
         self.k_codes = self.v_codes = None  # RowCodes
-        self.tail = TokenStore(TAIL_STEP)
+        self.tail = CodedTail(TAIL_STEP)  # exact, or coded once the codecs are known (`setup`)
         self.base = None  # (key codec, value codec), unfitted
         self.k_codec = self.v_codec = None  # fitted parameters of every row, folded ``(B*H, ...)``
 
@@ -233,6 +270,8 @@ class Rows:
         # full, so attention reads whole contiguous arrays (no slice, no copy inside the quantized matmul).
         grow = self.block if self.block > 1 else CODE_STEP
         self.k_codes, self.v_codes = (RowCodes(c, lay, grow) for c, lay in zip(self.base, layouts))
+        if not self.tail.length:  # (a tail of the layout's own kind; restores load it after this)
+            self.tail.coder = TailCoder.for_codecs(self.options, self.base) if not self.window else None
         self.k_codec, self.v_codec = (self.unfitted(w, self.B) for w in (0, 1))
 
     def unfitted(self, which: int, rows: int):
@@ -342,11 +381,11 @@ class Rows:
             return
         self.tail.append({"k": keys, "v": values})
         self.tail_n = [t + r for t, r in zip(self.tail_n, rest)]
-        view, L = self.tail.view(), self.tail.length
+        view, L = self.tail.live_arrays(), self.tail.length
         valid = mx.arange(L, dtype=mx.int32).reshape(1, 1, L, 1) >= L - column(self.tail_n)
         by = mx.array(shift, dtype=mx.int32)[:, None]
-        self.tail.load({n: mx.where(valid, dynamic_roll(a, by, axis=2) if any(shift) else a, 0)
-                        for n, a in view.items()})
+        self.tail.load_raw({n: mx.where(valid, dynamic_roll(a, by, axis=2) if any(shift) else a, 0).astype(a.dtype)
+                            for n, a in view.items()})
         self.drop_tail_padding()
 
     def _code_tail(self) -> None:
@@ -359,14 +398,22 @@ class Rows:
                for f, n, t in zip(self.fitted, n_code, self.tail_n)]
         if not (any(n_code) or any(fit)):
             return
-        view = self.tail.view()
+        coder = self.tail.coder
+        view = self.tail.live_arrays() if coder is not None else self.tail.view()
         for i in range(self.B):
             first = L - self.tail_n[i]
             if fit[i]:
-                self._fit_row(i, view["k"][i:i + 1, :, first:], view["v"][i:i + 1, :, first:])
+                exact = self.tail.decode({n: a[i:i + 1, :, first:] for n, a in view.items()})
+                self._fit_row(i, exact["k"], exact["v"])
             if n_code[i]:
                 sl = (slice(i, i + 1), slice(None), slice(first, first + n_code[i]))
-                self._write(i, view["k"][sl], view["v"][sl])
+                if coder is None:
+                    self._write(i, view["k"][sl], view["v"][sl])
+                else:  # keys: the block coded from the provisional codes; values: their codes as they are
+                    k, v = coder.split({n: a[sl] for n, a in view.items()})
+                    self.k_codes.write_row(i, self.coded[i], self.row_codec(0, i).encode(
+                        coder.k.decode(k, mx.float32)), self.B)
+                    self.v_codes.write_row(i, self.coded[i], v, self.B)
         self.coded = [c + n for c, n in zip(self.coded, n_code)]
         self.tail_n = [t - n for t, n in zip(self.tail_n, n_code)]
         # A batch's rows code at their own steps: dropping every few slots of padding at once (one copy of the
@@ -408,7 +455,7 @@ class Rows:
     def _cut_tail(self, cuts: Dict[int, tuple]) -> None:
         """Row i drops ``t`` tail tokens after its first ``kept`` ones (``cuts[i] = (kept, t)``); tails stay
         right-aligned (zeros move in on the left)."""
-        L, view = self.tail.length, self.tail.view()
+        L, view = self.tail.length, self.tail.live_arrays()
         if all(kept == 0 for kept, _ in cuts.values()):
             for i, (_, t) in cuts.items():
                 self.tail_n[i] -= t
@@ -425,7 +472,7 @@ class Rows:
                                               row[:, :, lo + t:]], axis=2)
                     rows.append(row)
                 out[n] = rows[0] if self.B == 1 else mx.concatenate(rows, axis=0)
-            self.tail.load(out)
+            self.tail.load_raw(out)
             for i, (_, t) in cuts.items():
                 self.tail_n[i] -= t
         self.drop_tail_padding()
@@ -446,7 +493,7 @@ class Rows:
             cut = (self.coded[0] - drop) // self.block * self.block
             survivors = self.coded[0] - drop - cut
             if survivors:  # a cut block: its surviving tokens return to the tail as they decode
-                dtype = next(iter(self.tail.buffers.values())).dtype if self.tail.buffers else mx.float32
+                dtype = self.tail.dtype("k")
                 k, v = (c.decode(s.row_view(0, cut, cut + self.block), dtype)
                         for c, s in ((self.k_codec, self.k_codes), (self.v_codec, self.v_codes)))
             self.coded[0] = cut
@@ -482,11 +529,13 @@ class Rows:
         if C:
             k, v, g = self.k_codes.folded(C), self.v_codes.folded(C), self.gone[0]
             spans = [(0, min(self.pin, C)), (self.pin + g, C)] if lockstep and g else [(0, C)]
+            spans = [(lo, hi) for lo, hi in spans if hi > lo]
+            whole = self._coded_part(self.k_codec, k, self.v_codec, v) if len(spans) > 1 else None
             for lo, hi in spans:
-                if hi > lo:
-                    kk, vv = (k, v) if (lo, hi) == (0, C) else (self.k_codec.slice_tokens(k, lo, hi),
-                                                                self.v_codec.slice_tokens(v, lo, hi))
-                    parts.append(self._coded_part(self.k_codec, kk, self.v_codec, vv))
+                kk, vv = (k, v) if (lo, hi) == (0, C) else (self.k_codec.slice_tokens(k, lo, hi),
+                                                            self.v_codec.slice_tokens(v, lo, hi))
+                parts.append(self._coded_part(self.k_codec, kk, self.v_codec, vv))
+                parts[-1].within = None if whole is None else (whole, lo, hi)  # (the kernel: one pass)
         if L:
             t = {n: fold(a) for n, a in self.tail.buffers.items()}
             if L < self.tail.capacity:
@@ -555,11 +604,28 @@ class Rows:
             parts.append(ExactPart(*((a if n == a.shape[2] else a[:, :, :n]) if one else a[i:i + 1, :, :n]
                                      for a in (self.sink["k"], self.sink["v"]))))
         coded, gone = self.coded[i], self.gone[i]
-        for lo, hi in ([(0, min(self.pin, coded)), (self.pin + gone, coded)] if gone else [(0, coded)]):
-            if hi > lo:
-                parts.append(self._coded_part(self.row_codec(0, i), self.k_codes.row_view(i, lo, hi),
-                                              self.row_codec(1, i), self.v_codes.row_view(i, lo, hi)))
-        if self.tail_n[i]:
+        spans = [(lo, hi) for lo, hi in ([(0, min(self.pin, coded)), (self.pin + gone, coded)] if gone else
+                                         [(0, coded)]) if hi > lo]
+        whole = self._coded_part(self.row_codec(0, i), self.k_codes.row_view(i, 0, coded), self.row_codec(1, i),
+                                 self.v_codes.row_view(i, 0, coded)) if len(spans) > 1 else None
+        for lo, hi in spans:
+            parts.append(self._coded_part(self.row_codec(0, i), self.k_codes.row_view(i, lo, hi),
+                                          self.row_codec(1, i), self.v_codes.row_view(i, lo, hi)))
+            parts[-1].within = None if whole is None else (whole, lo, hi)  # (the kernel: one pass)
+        if self.tail_n[i] and self.tail.coder is not None:
+            # a coded tail is attended on its codes (no decode per step): provisional keys, values as coded
+            L, coder = self.tail.length, self.tail.coder
+            store = self.tail.raw
+            memo = getattr(self, "_tail_parts", {}).get(i)
+            # the same part while the tail is unchanged (attention asks for the parts more than once a step)
+            if memo is None or memo[0] != (L, self.tail_n[i], store.writes) or memo[1] is not store:
+                raw = {n: a[:, :, L - self.tail_n[i]:L] if one else a[i:i + 1, :, L - self.tail_n[i]:L]
+                       for n, a in self.tail.raw.buffers.items()}
+                ks, vs = coder.split(raw)[:2]
+                memo = ((L, self.tail_n[i], store.writes), store, CodedPart(coder.k, ks, coder.v, vs))
+                self._tail_parts = {**getattr(self, "_tail_parts", {}), i: memo}
+            parts.append(memo[2])
+        elif self.tail_n[i]:
             L = self.tail.length
             t = {n: a[:, :, L - self.tail_n[i]:L] if one else a[i:i + 1, :, L - self.tail_n[i]:L]
                  for n, a in self.tail.buffers.items()}
@@ -573,7 +639,7 @@ class Rows:
     # -- bytes and copies -----------------------------------------------------------------------------
     def arrays(self) -> List[mx.array]:
         out = list(self.sink.values()) if self.sink is not None else []
-        out += list(self.tail.buffers.values())
+        out += list(self.tail.raw.buffers.values())
         for store, codec in ((self.k_codes, self.k_codec), (self.v_codes, self.v_codec)):
             if store is not None:
                 out += list(store.arrays.values()) + list(codec.fitted_arrays().values())
@@ -632,7 +698,8 @@ def _take(rows: Rows, idx: List[int], out: Rows) -> Rows:
         kept = (src.arrays if cap == src.capacity else src.codec.slice_tokens(src.arrays, 0, cap)) if cap else {}
         codes.append((dst, cap, list(kept.items())))
     L, n = rows.tail.length, max(out.tail_n)
-    tail = [(k, a[:, :, L - n:L]) for k, a in rows.tail.buffers.items()] if n else []  # right-aligned: last n
+    out.tail.dtypes = dict(rows.tail.dtypes)
+    tail = [(k, a[:, :, L - n:L]) for k, a in rows.tail.raw.buffers.items()] if n else []  # right-aligned: last n
     fitted = [(which, list(arrays.items())) for which, arrays in enumerate(
         c.fitted_arrays() for c in (rows.k_codec, rows.v_codec)) if arrays and (out.B > 1 or out.fitted[0])]
     per_row = [a for _, a in sink] + [a for _, _, kv in codes for _, a in kv] + [a for _, a in tail]
@@ -644,7 +711,7 @@ def _take(rows: Rows, idx: List[int], out: Rows) -> Rows:
         if cap:
             dst.arrays, dst.capacity = {f: next(got) for f, _ in kv}, cap
     if tail:
-        out.tail.load({k: next(got) for k, _ in tail})
+        out.tail.load_raw({k: next(got) for k, _ in tail})
     for which, kv in fitted:
         codec = rows.base[which].with_fitted({k: next(got) for k, _ in kv})
         out.k_codec, out.v_codec = (codec, out.v_codec) if which == 0 else (out.k_codec, codec)
@@ -670,23 +737,27 @@ def concat_rows(parts: Sequence[Rows]) -> Rows:
     if any(p.dims != dims or p.heads != heads for p in filled):
         raise ValueError("caches to merge must share head dims and KV heads")
     out.setup(*dims, heads)
-    held = [a for p in filled for a in ([*p.sink.values()] if p.sink is not None else []) + [*p.tail.buffers.values()]]
-    dtype = held[0].dtype if held else mx.float32
+    held = [a for p in filled for a in ([*p.sink.values()] if p.sink is not None else [])]
+    dtype = held[0].dtype if held else next((p.tail.dtype("k") for p in filled if p.tail.dtypes), mx.float32)
+    out.tail.dtypes = next((dict(p.tail.dtypes) for p in filled if p.tail.dtypes), {})
     S, L = first.options.sink, max(p.tail.length for p in filled)
 
-    def exact(p: Rows, n: str, d: int, size: int, right: bool) -> mx.array:  # (rows, H, size, d), zeros padded
-        a = p.sink[n] if not right and p.sink is not None else (p.tail.view()[n] if right and p.tail.length else None)
+    def exact(p: Rows, n: str, d, size: int, right: bool, dt=None) -> mx.array:  # (rows, H, size, *d), zeros padded
+        a = p.sink[n] if not right and p.sink is not None else \
+            (p.tail.live_arrays()[n] if right and p.tail.length else None)
         pad = size - (0 if a is None else a.shape[2])
         if not pad:
             return a
-        z = mx.zeros((p.B, heads, pad, d), a.dtype if a is not None else dtype)
+        z = mx.zeros((p.B, heads, pad) + tuple(d if isinstance(d, tuple) else (d,)),
+                     a.dtype if a is not None else (dt or dtype))
         return z if a is None else mx.concatenate([z, a] if right else [a, z], axis=2)
 
     cat = lambda xs: xs[0] if len(xs) == 1 else mx.concatenate(xs, axis=0)  # noqa: E731
     if S and any(p.sink is not None for p in filled):
         out.sink = {n: cat([exact(p, n, d, S, False) for p in parts]) for n, d in zip("kv", dims)}
-    if L:
-        out.tail.load({n: cat([exact(p, n, d, L, True) for p in parts]) for n, d in zip("kv", dims)})
+    if L:  # (every part's tail is of the layout's one kind: `setup` picks it from the options)
+        out.tail.load_raw({n: cat([exact(p, n, trailing, L, True, dt) for p in parts])
+                           for n, (trailing, dt) in out.tail.fields(dims).items()})
     for name in ("k_codes", "v_codes"):
         store = getattr(out, name)
         cap = max(getattr(p, name).capacity if p.dims is not None else 0 for p in parts)
@@ -716,7 +787,7 @@ def row_arrays(rows: Rows, i: int) -> Dict[str, Dict[str, mx.array]]:
     L, n_tail = rows.tail.length, rows.tail_n[i]
     out = {
         "sink": {n: pick(a)[:, :, :rows.sink_n[i]] for n, a in rows.sink.items()} if rows.sink_n[i] else {},
-        "tail": {n: pick(a)[:, :, L - n_tail:L] for n, a in rows.tail.view().items()} if n_tail else {},
+        "tail": {n: pick(a)[:, :, L - n_tail:L] for n, a in rows.tail.live_arrays().items()} if n_tail else {},
     }
     for name, store in (("k_codes", rows.k_codes), ("v_codes", rows.v_codes)):
         out[name] = store.row_live(i, rows.pin, rows.gone[i], rows.coded[i])
@@ -741,8 +812,12 @@ def rows_from_arrays(options, window, dims, arrays: Dict[str, Dict[str, mx.array
         rows.sink = {f: mx.concatenate([a, mx.zeros(a.shape[:2] + (options.sink - n, a.shape[3]), a.dtype)], axis=2)
                      if n < options.sink else mx.array(a) for f, a in arrays["sink"].items()}
         rows.sink_n = [n] * B
+    if arrays["sink"]:
+        rows.tail.dtypes = {n: arrays["sink"][n].dtype for n in ("k", "v") if n in arrays["sink"]}
     if arrays["tail"]:
-        rows.tail.load({f: mx.array(a) for f, a in arrays["tail"].items()})
+        rows.tail.load_raw({f: mx.array(a) for f, a in arrays["tail"].items()})
+        if rows.tail.coder is None:
+            rows.tail.dtypes = {n: a.dtype for n, a in arrays["tail"].items()}
         rows.tail_n = [rows.tail.length] * B
     for store, name in ((rows.k_codes, "k_codes"), (rows.v_codes, "v_codes")):
         if arrays[name]:

@@ -22,6 +22,7 @@ from veloxquant_mlx.codecs.affine_sym_log import AffineSymLogScaleValueCodec
 from veloxquant_mlx.codecs.affine_block_kv import AffineBlockKVCodec, AffineBlockKVMSECodec, LloydMaxValueCodec
 from veloxquant_mlx.codecs.contract import Codec, CodeField, check_codec
 from veloxquant_mlx.codecs.float16 import Float16Codec
+from veloxquant_mlx.codecs.kblock_tail import TailedBlockKeyCodec, TailedSymValueCodec
 from veloxquant_mlx.codecs.lloyd_max import LloydMaxCodec
 
 
@@ -50,6 +51,8 @@ CODECS: Dict[str, CodecLayout] = {
     "kblock_vlloyd": CodecLayout(AffineBlockKVMSECodec, LloydMaxValueCodec),
     "kblock_vsym": CodecLayout(AffineBlockKVMSECodec, AffineSymValueCodec),
     "kblock_vsym8": CodecLayout(AffineBlockKVMSECodec, AffineSymLogScaleValueCodec),
+    # kblock_vsym8 with the tokens waiting for their key block stored as codes (kblock_tail.py): the budget presets
+    "kblock_vsym8_pt": CodecLayout(TailedBlockKeyCodec, TailedSymValueCodec),
 }
 
 
@@ -84,4 +87,5 @@ def codec_layout(name: str) -> CodecLayout:
 
 __all__ = ["AffineBlockKVCodec", "AffineBlockKVMSECodec", "AffineBlockKeyCodec", "AffineRotatedCodec",
            "AffineSymLogScaleValueCodec", "AffineSymValueCodec", "CODECS", "Codec", "CodeField", "CodecLayout",
-           "Float16Codec", "LloydMaxCodec", "LloydMaxValueCodec", "check_codable", "check_codec", "codec_layout"]
+           "Float16Codec", "LloydMaxCodec", "LloydMaxValueCodec", "TailedBlockKeyCodec",
+           "TailedSymValueCodec", "check_codable", "check_codec", "codec_layout"]

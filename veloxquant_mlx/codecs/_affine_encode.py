@@ -3,7 +3,7 @@ on CPU when the kernel is built (`csrc/affine_encode.cpp`), else in MLX operatio
 
 Why: a decode step codes one 64-token block of one row at a time (12k numbers per layer); there the reference's
 cost is its operations, not its arithmetic (~0.3 ms per layer for a block of keys: transpose, quantize, finiteness
-check, offset, clamp). The compiled operation computes the same arrays bit for bit (tests/test_affine_encode.py), so
+check, offset, clamp). The compiled operation computes the same arrays bit for bit (tests/codecs/test_affine_encode.py), so
 which path ran changes nothing a cache stores.
 """
 from __future__ import annotations

@@ -141,7 +141,7 @@ class _TokenEncoder:
     """``quant``'s encode of one token per row (a decode step) as one `mx.compile`d graph: a decode step codes a
     token per layer, and eagerly that is 20-60 small MLX operations of ~10 us each on CPU (TurboQuant-Prod keys
     0.86 ms per layer, compiled 0.38, measured alone: BENCHMARKS.md, issue 29's section); the same arrays bit for bit
-    (tests/test_codec_contract.py). Longer inputs (prompt chunks, of many shapes) stay eager."""
+    (tests/codecs/test_codec_contract.py). Longer inputs (prompt chunks, of many shapes) stay eager."""
 
     def __init__(self, quant):
         packer = _packer(quant)
@@ -410,8 +410,9 @@ class LloydMaxCodec(PerTokenLayout):
     def affine_codes(self, codes: Dict[str, mx.array]) -> Optional[AffineCodes]:
         """TurboQuant codes without outlier channels as codebook fields per token (one norm per token, levels from
         the codebook; RVQ's and Prod's second stream as `AffineCodes.extra`): what the compiled attention reads.
-        None for outlier channels, 1-bit Prod (no MSE stage) or head dims other than 32, 64 and 128."""
-        if self.n_outliers or self.d not in (32, 64, 128):
+        None for outlier channels, 1-bit Prod (no MSE stage) or head dims the kernel does not read (multiples of 8
+        up to 256: one group of the whole vector)."""
+        if self.n_outliers or self.d % 8 or self.d > 256:
             return None
         streams = _kernel_streams(self.quantizers["i"])
         if streams is None or any(f"i_{f}" not in codes or f"i_{sf}" not in codes for f, _, _, sf in streams[0]):

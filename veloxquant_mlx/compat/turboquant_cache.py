@@ -50,7 +50,6 @@ from typing import Any
 
 import mlx.core as mx
 
-from veloxquant_mlx.cache.base import STANDALONE_METHODS
 from veloxquant_mlx.config import KVCacheConfig
 from veloxquant_mlx.core.abstractions import KVCache, as_float_rows
 from veloxquant_mlx.core.constants import CACHE_GROWTH_STEP, INT8_MAX
@@ -59,6 +58,9 @@ from veloxquant_mlx.outlier.detector import OutlierDetector
 from veloxquant_mlx.quantizers import QUANTIZERS
 from veloxquant_mlx.quantizers._common import to_output_dtype
 
+# The methods this standalone cache offers (documented as ``veloxquant_mlx.cache.base.STANDALONE_METHODS``, which
+# re-exports it: defined here so that the seed's cache imports nothing of the cache layer above it).
+STANDALONE_METHODS = frozenset({"turboquant_mse", "turboquant_prod"})
 
 def _int8_absmax(x: mx.array) -> tuple[mx.array, mx.array]:
     """Symmetric per-row int8 quantization: ``x (n, c) float32 -> codes (n, c) int8, scale (n,) fp16``.

@@ -11,7 +11,7 @@ through the caches mlx_lm makes for the model (``make_prompt_cache(model)``, as 
   says which caches hold codes, which hold recurrent state and which attention caches stay plain, with the reason.
 
 ``python -m veloxquant_mlx.eval.architectures [--dtype float32] [--markdown FILE] [--json FILE] [NAME ...]`` prints
-the table (the README's "Supported models" comes from it); tests/test_architectures.py asserts it.
+the table (the README's "Supported models" comes from it); tests/mlx_lm/test_architectures.py asserts it.
 """
 from __future__ import annotations
 

@@ -1,12 +1,15 @@
 """What caches really store: bytes (``nbytes`` of the stored arrays), bytes per token, bits per coordinate.
 
-One measurement of bits per coordinate everywhere: :func:`cache_memory` of the caches holding ``n`` tokens
-(every stored byte: codes, scales, norms, exact sink/tail tokens, fitted means; no spare growth capacity),
-over the ``n * 2 * kv_heads * head_dim`` cached coordinates of each layer. The evaluation reads it from the
-caches after each window; `measure_bytes_per_token` (``veloxquant methods``, the server's start-up log, the
-bit-budget tests) fills a fresh cache with random keys/values to ``context`` tokens after its exact sink tokens
-(whole blocks) and reads the same function, so every tool reports the same figure for the same configuration and
-context.
+One rule for bits per coordinate everywhere: :func:`cache_memory` of the caches holding ``n`` tokens (every stored
+byte: codes, scales, norms, exact sink tokens, tokens waiting for their block however they are stored, fitted
+means; no spare growth capacity), over the ``n * 2 * kv_heads * head_dim`` cached coordinates of each layer, ``n``
+counting every token (the sink's too). The evaluation reads it from the caches after each window;
+`measure_bytes_per_token` (``veloxquant methods``, the server's start-up log, the bit-budget tests) fills fresh
+caches with random keys/values to ``context`` tokens and reads the same function; `measure_bits` reads it at the
+lengths the tools report (`REPORT_LENGTHS`: 512, 2048, 3000, which is no block boundary, and 4096) and averages it
+over the positions a KL figure averages over (each chunk of the evaluation's chunked prefill attends the cache as
+it is after that chunk). So every tool reports the same figure for the same configuration and length, at the
+length a user meets, not only at the lengths where a block layout holds whole blocks.
 """
 from __future__ import annotations
 
@@ -21,8 +24,9 @@ from veloxquant_mlx.validate import check_int
 
 from .specs import resolve_spec
 
-__all__ = ["DEFAULT_CONTEXT", "FILL_CHUNK", "bits_per_coordinate", "cache_memory", "cache_nbytes",
-           "measure_bytes_per_token", "measure_footprint", "model_kv_shape", "plan_context", "stored_nbytes"]
+__all__ = ["DEFAULT_CONTEXT", "FILL_CHUNK", "REPORT_LENGTHS", "bits_per_coordinate", "cache_memory", "cache_nbytes",
+           "measure_bits", "measure_bytes_per_token", "measure_footprint", "model_kv_shape", "plan_context",
+           "stored_nbytes"]
 
 
 def cache_nbytes(cache) -> int:
@@ -88,6 +92,65 @@ def _stub_model(n_layers: int, kv_heads: int, head_dim: int):
 # The context `veloxquant methods` and the server report bits at (the issue's budgets are set at 2048 and 4096).
 DEFAULT_CONTEXT = 2048
 FILL_CHUNK = 256  # tokens per update_and_fetch, as the evaluation's chunked prefill feeds them
+# The lengths bits are reported at (`measure_bits`): round lengths, and 3000, which is no multiple of a block.
+REPORT_LENGTHS = (512, 2048, 3000, 4096)
+
+
+def _fill_caches(make_cache, kv_heads: int, head_dim: int, model, n_layers: int, total: int, seed: int,
+                 stops, chunk: int = FILL_CHUNK):
+    """Fresh caches filled with ``total`` random tokens in chunks of ``chunk`` from token 0 (as the evaluation's
+    prefill), cut also at ``stops``; yields ``(caches, tokens held)`` after every update."""
+    if model is None:
+        model = _stub_model(n_layers, kv_heads, head_dim)
+    # recurrent-state layers (linear attention, SSM: mlx_lm's ArraysCache) hold no per-token keys and values
+    caches = [c for c in make_cache(model) if hasattr(c, "update_and_fetch")]
+    if not caches:
+        raise ValueError(f"make_cache gave {type(model).__name__} no cache of keys and values to measure")
+    for c in caches:
+        if hasattr(c, "fetch_placeholders"):  # no attention runs here: let it decode even while routing is on
+            c.fetch_placeholders = False
+    k1, k2 = mx.random.split(mx.random.key(seed))
+    keys = mx.random.normal((1, kv_heads, total, head_dim), key=k1)
+    values = mx.random.normal((1, kv_heads, total, head_dim), key=k2)
+    cuts = sorted({n for n in range(chunk, total, chunk)} | {n for n in stops if 0 < n < total} | {total})
+    s0 = 0
+    for s1 in cuts:
+        mx.eval([c.update_and_fetch(keys[..., s0:s1, :], values[..., s0:s1, :]) for c in caches])
+        yield caches, s1
+        s0 = s1
+
+
+def measure_bits(make_cache, kv_heads: int, head_dim: int, model=None, lengths=REPORT_LENGTHS, seed: int = 0,
+                 n_layers: int = 1, chunk: int = FILL_CHUNK) -> dict:
+    """Bits per coordinate of ``make_cache``'s caches, every stored byte (`cache_memory`), measured on one fill of
+    random tokens (chunks of ``chunk`` from token 0, as the evaluation feeds a window):
+
+    - ``bits[n]``: holding exactly ``n`` tokens, for each ``n`` of ``lengths``;
+    - ``kl_average_bits[n]``: the average over the positions of an ``n``-token evaluation window (what a KL figure
+      at context ``n`` averages over): each chunk's positions attend the cache as it is after that chunk, so the
+      bits after each chunk, weighted by its positions;
+    - ``max_bits[n]``: the most held after any chunk up to ``n``.
+    """
+    lengths = sorted({check_int("length", n, 1) for n in lengths})
+    check_int("chunk", chunk, 1)
+    bits, after = {}, []  # (tokens after a chunk, bits then)
+    n_layers_measured = 0
+    for caches, n in _fill_caches(make_cache, kv_heads, head_dim, model, n_layers, lengths[-1], seed, lengths, chunk):
+        b = cache_memory(caches, n, kv_heads, head_dim)["bits_per_coordinate"]
+        after.append((n, b))
+        n_layers_measured = len(caches)
+        if n in lengths:
+            bits[n] = b
+    kl_avg, worst = {}, {}
+    for n in lengths:
+        # the evaluation's own chunks of an n-token window: ends at multiples of `chunk` and at n
+        ends = sorted({e for e in range(chunk, n, chunk)} | {n})
+        held = dict(after)
+        starts = [0] + ends[:-1]
+        kl_avg[n] = sum((e - s) * held[e] for s, e in zip(starts, ends)) / n
+        worst[n] = max(held[e] for e in ends)
+    return {"kv_heads": kv_heads, "head_dim": head_dim, "layers": n_layers_measured, "chunk": chunk,
+            "bits": bits, "kl_average_bits": kl_avg, "max_bits": worst}
 
 
 def measure_bytes_per_token(
@@ -99,43 +162,28 @@ def measure_bytes_per_token(
     seed: int = 0,
     n_layers: int = 1,
 ) -> dict:
-    """Stored bytes per layer of caches holding ``context`` random tokens after their exact sink, measured, not
-    computed by formula.
+    """Stored bytes per layer of caches holding ``context`` random tokens (the sink's counted among them), measured,
+    not computed by formula.
 
     Fills fresh caches (``make_cache(model)``: every layer of ``model``, or of a stub with ``n_layers`` layers, for
-    configurations with bits per layer) with the same random keys/values ``(1, kv_heads, n, head_dim)``: first the
-    caches' exact sink tokens (``options.sink``, 0 for mlx_lm's caches), then ``context`` tokens in chunks of 256,
-    and reads :func:`cache_memory` at ``sink + context - 256`` and at ``sink + context`` tokens. Blocks start after
-    the sink, so at ``sink + context`` a block layout without exact windows (``recent=0, trim_headroom=0``: the
-    budget presets) holds whole blocks (between two blocks its newest tokens wait exact: the ripple BENCHMARKS.md
-    reports beside this figure). ``bits_per_coordinate`` and
-    ``bytes_per_token_per_layer`` are every stored byte at ``sink + context`` tokens (fixed state such as fitted
-    means and the exact sink tokens included, as the evaluation counts them); ``marginal_bytes_per_token_per_layer``
-    is the growth over the last 256 tokens (what a longer context adds per token) and ``fixed_bytes`` the rest.
-    A model's recurrent-state caches (no keys and values per token) are left out; ``layers`` counts the others.
+    configurations with bits per layer) with the same random keys/values ``(1, kv_heads, n, head_dim)`` in chunks of
+    256 from token 0 (as the evaluation feeds a window), and reads :func:`cache_memory` at ``context - 256`` and at
+    ``context`` tokens: whatever the cache holds at that length, its newest tokens waiting for their block included
+    (the same figure `measure_bits` reports; any ``context`` >= 512, a block boundary or not).
+    ``bits_per_coordinate`` and ``bytes_per_token_per_layer`` are every stored byte at ``context`` tokens (fixed
+    state such as fitted means and the exact sink tokens included, as the evaluation counts them);
+    ``marginal_bytes_per_token_per_layer`` is the growth over the last 256 tokens (what a longer context adds per
+    token) and ``fixed_bytes`` the rest. A model's recurrent-state caches (no keys and values per token) are left
+    out; ``layers`` counts the others.
     """
     context = check_int("context", context, 2 * FILL_CHUNK)
-    if context % FILL_CHUNK:
-        raise ValueError(f"context must be a multiple of {FILL_CHUNK} (mlx_lm's allocation step), got {context}")
-    if model is None:
-        model = _stub_model(n_layers, kv_heads, head_dim)
-    # recurrent-state layers (linear attention, SSM: mlx_lm's ArraysCache) hold no per-token keys and values
-    caches = [c for c in make_cache(model) if hasattr(c, "update_and_fetch")]
-    if not caches:
-        raise ValueError(f"make_cache gave {type(model).__name__} no cache of keys and values to measure")
-    for c in caches:
-        if hasattr(c, "fetch_placeholders"):  # no attention runs here: let it decode even while routing is on
-            c.fetch_placeholders = False
+    before, mem, caches = None, None, []
+    for caches, n in _fill_caches(make_cache, kv_heads, head_dim, model, n_layers, context, seed,
+                                  [context - FILL_CHUNK]):
+        if n == context - FILL_CHUNK:
+            before = cache_memory(caches, n, kv_heads, head_dim)["bytes_total"] / len(caches)
     sink = max((_sink_tokens(c) for c in caches), default=0)
-    total = sink + context
-    k1, k2 = mx.random.split(mx.random.key(seed))
-    keys = mx.random.normal((1, kv_heads, total, head_dim), key=k1)
-    values = mx.random.normal((1, kv_heads, total, head_dim), key=k2)
-    before = None
-    for s0, s1 in [(0, sink)] * bool(sink) + [(s, s + FILL_CHUNK) for s in range(sink, total, FILL_CHUNK)]:
-        mx.eval([c.update_and_fetch(keys[..., s0:s1, :], values[..., s0:s1, :]) for c in caches])
-        if s1 == total - FILL_CHUNK:
-            before = cache_memory(caches, s1, kv_heads, head_dim)["bytes_total"] / len(caches)
+    total = context
     mem = cache_memory(caches, total, kv_heads, head_dim)
     marginal = (mem["bytes_total"] / len(caches) - before) / FILL_CHUNK
     return {

@@ -18,6 +18,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <algorithm>
 #include <array>
@@ -34,6 +35,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <thread>
+#include <utility>
 #include <vector>
 #if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -406,6 +408,9 @@ struct Codes {
 // ------------------------------------------------------------------------------------------------
 struct Problem {
   int64_t G = 0, n = 0, ne = 0;
+  // The coded tokens attended: slots [spans[2i], spans[2i+1]) of the codes (sorted, disjoint; empty: all n). A
+  // sliding window's evicted slots are a hole between two spans, skipped, never scored.
+  std::vector<int64_t> spans;
   int R = 1, d = 64, dv = 64;
   const float *q = nullptr, *pk = nullptr, *pv = nullptr;
   const float *kmu = nullptr, *vmu = nullptr;  // (mu_rows, d): per g or per KV head (g % mu_rows)
@@ -484,32 +489,43 @@ inline void score_rows_avx(const float* qs, const float* base, const float* kt, 
 }
 #define VQ_SCORE_ROWS score_rows_avx
 
-// score_rows_avx for a whole tile of 8-bit key codes with groups along tokens (row c: channel c's code of every
-// token, one byte each), converted in registers as they are scored: the tile is not written out as floats and read
-// back. Prefetches each row at byte ``prefetch_at`` (negative: none).
-template <int RB>
-inline void score_rows_u8_avx(const float* qs, const float* base, const View::Head& KW, int64_t t0, int d,
-                              int64_t prefetch_at, float* s) {
-  static_assert(TILE == 32, "32 one-byte codes per row: one 256-bit load");
-  __m256 acc[RB][4];
-#pragma GCC unroll 4
+// score_rows_avx for 8-bit key codes with groups along tokens (row c: channel c's code of every token, one byte
+// each), converted in registers as they are scored: the tile is not written out as floats and read back. NV
+// vectors of 8 tokens from token t0 + 8 * v0 (NV = 4: the whole tile; NV = 2: one half, so that up to six rows'
+// accumulators fit the 16 registers). Prefetches each row at byte ``prefetch_at`` (negative: none).
+template <int RB, int NV>
+inline void score_rows_u8_avx(const float* qs, int ldq, const float* base, const View::Head& KW, int64_t t0, int v0,
+                              int d, int64_t prefetch_at, float* s) {
+  static_assert(TILE == 32 && (NV == 4 || NV == 2), "a tile of 32 one-byte codes per row, or half of it");
+  __m256 acc[RB][NV];
+#pragma GCC unroll 6
   for (int r = 0; r < RB; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_set1_ps(base[r]);
+    for (int j = 0; j < NV; ++j) acc[r][j] = _mm256_set1_ps(base[r]);
   for (int c = 0; c < d; ++c) {
     const uint8_t* row = KW.row(c);
     if (prefetch_at >= 0) __builtin_prefetch(row + prefetch_at);
-    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + t0));
-    const __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
-    const __m256 k0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)),
-                 k1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))),
-                 k2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)),
-                 k3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-#pragma GCC unroll 4
-    for (int r = 0; r < RB; ++r) fma4(acc[r], _mm256_broadcast_ss(qs + r * d + c), k0, k1, k2, k3);
+    __m256 k[NV];
+    if constexpr (NV == 4) {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + t0));
+      const __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
+      k[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+      k[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+      k[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+      k[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    } else {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + t0 + 8 * v0));
+      k[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+      k[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)));
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < RB; ++r) {
+      const __m256 q = _mm256_broadcast_ss(qs + r * ldq + c);
+      for (int j = 0; j < NV; ++j) acc[r][j] = _mm256_fmadd_ps(q, k[j], acc[r][j]);
+    }
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 6
   for (int r = 0; r < RB; ++r)
-    for (int j = 0; j < 4; ++j) _mm256_store_ps(s + r * TILE + 8 * j, acc[r][j]);
+    for (int j = 0; j < NV; ++j) _mm256_store_ps(s + r * TILE + 8 * (v0 + j), acc[r][j]);
 }
 #else
 #define VQ_SCORE_ROWS score_rows
@@ -591,30 +607,112 @@ inline void weighted_rows_avx(const float* w, const float* x, int ldx, int nt, f
 
 // weighted_rows_avx over 4-bit codes with groups along channels (token tt's row: its dv codes, two per byte, low
 // nibble first), each code converted in registers as it is used: o[r * ldo + c] += sum_tt w[r * TILE + tt] *
-// code(tt, c) for c in [c0, c1), both multiples of 32. The values are not written out as floats and read back.
-template <int RB>
+// code(tt, c) for c in [c0, c1), multiples of 8 * NV. The values are not written out as floats and read back.
+// NV vectors of 8 columns per pass: 4, or 2 so that up to six rows' accumulators fit the 16 registers.
+template <int RB, int NV>
 inline void weighted_rows_u4_avx(const float* w, const View::Head& VW, int64_t t0, int nt, float* o, int ldo, int c0,
                                  int c1) {
+  static_assert(NV == 4 || NV == 2, "32 or 16 columns per pass");
   const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), nibble = _mm256_set1_epi32(15);
   auto eight = [&](const uint8_t* q) {  // codes of 8 columns from 4 bytes
     uint32_t u;
     std::memcpy(&u, q, 4);
     return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(int(u)), shifts), nibble));
   };
-  for (int c = c0; c + 32 <= c1; c += 32) {
-    __m256 acc[RB][4];
-#pragma GCC unroll 4
+  for (int c = c0; c + 8 * NV <= c1; c += 8 * NV) {
+    __m256 acc[RB][NV];
+#pragma GCC unroll 6
     for (int r = 0; r < RB; ++r)
-      for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_loadu_ps(o + r * ldo + c + 8 * j);
+      for (int j = 0; j < NV; ++j) acc[r][j] = _mm256_loadu_ps(o + r * ldo + c + 8 * j);
     for (int tt = 0; tt < nt; ++tt) {
       const uint8_t* q = VW.row(t0 + tt) + c / 2;
-      const __m256 x0 = eight(q), x1 = eight(q + 4), x2 = eight(q + 8), x3 = eight(q + 12);
-#pragma GCC unroll 4
-      for (int r = 0; r < RB; ++r) fma4(acc[r], _mm256_broadcast_ss(w + r * TILE + tt), x0, x1, x2, x3);
+      __m256 x[NV];
+      for (int j = 0; j < NV; ++j) x[j] = eight(q + 4 * j);
+#pragma GCC unroll 6
+      for (int r = 0; r < RB; ++r) {
+        const __m256 p = _mm256_broadcast_ss(w + r * TILE + tt);
+        for (int j = 0; j < NV; ++j) acc[r][j] = _mm256_fmadd_ps(p, x[j], acc[r][j]);
+      }
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 6
     for (int r = 0; r < RB; ++r)
-      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(o + r * ldo + c + 8 * j, acc[r][j]);
+      for (int j = 0; j < NV; ++j) _mm256_storeu_ps(o + r * ldo + c + 8 * j, acc[r][j]);
+  }
+}
+
+// Query rows of a group in blocks straight from the codes: R rows in as few blocks as the registers allow (three
+// rows of 32 accumulators, or six of 16 per pass over half a tile or 16 value columns), sizes balanced (R = 4:
+// 2 + 2, not 3 + 1: a one-row block converts as many codes as a three-row one for a third of the multiply-adds).
+// NV = 0: no fused block of R rows (the tile is decoded once to floats and scored / weighted from there).
+struct RowPlan {
+  int nv = 4, blocks = 1;
+  int start[MAX_R + 1] = {};
+};
+
+inline RowPlan row_plan(int R, int nv) {
+  RowPlan p;
+  p.nv = nv;
+  const int most = nv == 4 ? 3 : 6;
+  p.blocks = (R + most - 1) / most;
+  for (int b = 0; b <= p.blocks; ++b) p.start[b] = (b * R) / p.blocks;  // balanced: sizes differ by at most one
+  return p;
+}
+
+// A whole tile of 8-bit key codes scored for R rows by `plan` (rows of qs ldq apart). Switches, not function
+// tables: the calls inline.
+inline void score_u8_tile(const RowPlan& plan, const float* qs, int ldq, const float* base, const View::Head& KW,
+                          int64_t t0, int d, int64_t prefetch_at, float* s) {
+  for (int b = 0; b < plan.blocks; ++b) {
+    const int r0 = plan.start[b], rb = plan.start[b + 1] - r0;
+    const float *q = qs + r0 * ldq, *bs = base + r0;
+    float* out = s + r0 * TILE;
+    const int64_t at = b == 0 ? prefetch_at : -1;
+    if (plan.nv == 4) {
+      switch (rb) {
+        case 3: score_rows_u8_avx<3, 4>(q, ldq, bs, KW, t0, 0, d, at, out); break;
+        case 2: score_rows_u8_avx<2, 4>(q, ldq, bs, KW, t0, 0, d, at, out); break;
+        default: score_rows_u8_avx<1, 4>(q, ldq, bs, KW, t0, 0, d, at, out);
+      }
+      continue;
+    }
+    for (int half = 0; half < 2; ++half) {
+      const int v0 = 2 * half;
+      const int64_t pf = half ? -1 : at;
+      switch (rb) {
+        case 6: score_rows_u8_avx<6, 2>(q, ldq, bs, KW, t0, v0, d, pf, out); break;
+        case 5: score_rows_u8_avx<5, 2>(q, ldq, bs, KW, t0, v0, d, pf, out); break;
+        case 4: score_rows_u8_avx<4, 2>(q, ldq, bs, KW, t0, v0, d, pf, out); break;
+        case 3: score_rows_u8_avx<3, 2>(q, ldq, bs, KW, t0, v0, d, pf, out); break;
+        case 2: score_rows_u8_avx<2, 2>(q, ldq, bs, KW, t0, v0, d, pf, out); break;
+        default: score_rows_u8_avx<1, 2>(q, ldq, bs, KW, t0, v0, d, pf, out);
+      }
+    }
+  }
+}
+
+// Weighted 4-bit value codes for R rows by `plan` (weights w[r * TILE + tt], output rows ldo apart).
+inline void weight_u4_tile(const RowPlan& plan, const float* w, const View::Head& VW, int64_t t0, int nt, float* o,
+                           int ldo, int c0, int c1) {
+  for (int b = 0; b < plan.blocks; ++b) {
+    const int r0 = plan.start[b], rb = plan.start[b + 1] - r0;
+    const float* wr = w + r0 * TILE;
+    float* orow = o + r0 * ldo;
+    if (plan.nv == 4) {
+      switch (rb) {
+        case 3: weighted_rows_u4_avx<3, 4>(wr, VW, t0, nt, orow, ldo, c0, c1); break;
+        case 2: weighted_rows_u4_avx<2, 4>(wr, VW, t0, nt, orow, ldo, c0, c1); break;
+        default: weighted_rows_u4_avx<1, 4>(wr, VW, t0, nt, orow, ldo, c0, c1);
+      }
+      continue;
+    }
+    switch (rb) {
+      case 6: weighted_rows_u4_avx<6, 2>(wr, VW, t0, nt, orow, ldo, c0, c1); break;
+      case 5: weighted_rows_u4_avx<5, 2>(wr, VW, t0, nt, orow, ldo, c0, c1); break;
+      case 4: weighted_rows_u4_avx<4, 2>(wr, VW, t0, nt, orow, ldo, c0, c1); break;
+      case 3: weighted_rows_u4_avx<3, 2>(wr, VW, t0, nt, orow, ldo, c0, c1); break;
+      case 2: weighted_rows_u4_avx<2, 2>(wr, VW, t0, nt, orow, ldo, c0, c1); break;
+      default: weighted_rows_u4_avx<1, 2>(wr, VW, t0, nt, orow, ldo, c0, c1);
+    }
   }
 }
 #else
@@ -865,7 +963,27 @@ void init_partial(Partial& P, int R, int dv, bool coded) {
   P.coded = coded;
 }
 
-void coded_task(const Problem& pr, int64_t g, int64_t t_begin, int64_t t_end, Partial& P) {
+// How R query rows read the default's codes: 4 or 2 vectors per row block straight from the codes (row_plan),
+// or 0: the tile decoded once to floats and read from there. which: 0 keys (8-bit, groups along tokens), 1 values
+// (4-bit, groups along channels). `set_row_plan` overrides it (benchmarks/attention.py --row-plans).
+std::atomic<int> g_row_plan[2] = {-1, -1};
+
+// Measured at 16k tokens, 4 KV heads, d 64 / 128 (--row-plans, 2-core VM, 11 interleaved repeats): R <= 3 whole
+// tiles (4) fastest; R 4..7 half tiles (2) for both, 8-18 % under decoding once (R=5, d=128: 4.59 vs 5.31 ms);
+// from R = 8 values decoded once win by 2-4 % at d = 128 (tie at d = 64), keys stay within 3 % of either.
+inline int auto_vectors(int which, int R) {
+  if (R <= 3) return 4;
+  return which == 1 && R >= 8 ? 0 : 2;
+}
+
+inline int plan_vectors(int which, int R) {
+  const int forced = g_row_plan[which].load(std::memory_order_relaxed);
+  return forced >= 0 ? forced : auto_vectors(which, R);
+}
+
+// Tokens [t_begin, t_end) of head g's codes; t_begin is a multiple of TILE (tiles of codes grouped along tokens
+// lie in one group), and tokens before `valid_from` (a span starting inside the first tile) are masked out.
+void coded_task(const Problem& pr, int64_t g, int64_t t_begin, int64_t t_end, int64_t valid_from, Partial& P) {
   const int R = pr.R, d = pr.d, dv = pr.dv;
   init_partial(P, R, dv, true);
   // queries in the keys' rotated domain (q_rot = Pk q), and q . mu_k (per-token keys store x - mu)
@@ -909,9 +1027,12 @@ void coded_task(const Problem& pr, int64_t g, int64_t t_begin, int64_t t_end, Pa
   const bool fold_keys = K.tokens_last && !K.levels && K.biases.base;
   // Values with groups along channels: each token's scale folds into its weight, its bias into a per-row sum.
   const bool fold_values = !V.tokens_last;
-  // 4-bit affine values of one row block (the default's) are weighted straight from their codes
+  // 8-bit block keys and 4-bit affine values (the default's) straight from their codes, rows in blocks (row_plan)
 #if defined(__AVX2__) && defined(__FMA__)
-  const bool fused_values = fold_values && !pr.has_v2 && V.bits == 4 && !V.levels && R <= ROW_BLOCK && V.group % 32 == 0;
+  const int key_nv = plan_vectors(0, R), value_nv = plan_vectors(1, R);
+  const RowPlan key_plan = row_plan(R, key_nv ? key_nv : 4), value_plan = row_plan(R, value_nv ? value_nv : 4);
+  const bool fused_values = fold_values && !pr.has_v2 && V.bits == 4 && !V.levels && value_nv &&
+                            V.group % (8 * value_nv) == 0;
 #else
   const bool fused_values = false;
 #endif
@@ -946,11 +1067,8 @@ void coded_task(const Problem& pr, int64_t g, int64_t t_begin, int64_t t_end, Pa
       const int64_t ahead = ((t0 + PREFETCH_TILES * TILE) * K.bits) / 8;
       const bool pf = t0 + PREFETCH_TILES * TILE < t_end;
 #if defined(__AVX2__) && defined(__FMA__)
-      if (K.bits == 8 && nt == TILE && R <= ROW_BLOCK) {  // (the default's keys) scored straight from the codes
-        const int64_t at = pf ? ahead : -1;
-        if (R == 3) score_rows_u8_avx<3>(qs, base, KW, t0, d, at, s);
-        else if (R == 2) score_rows_u8_avx<2>(qs, base, KW, t0, d, at, s);
-        else score_rows_u8_avx<1>(qs, base, KW, t0, d, at, s);
+      if (K.bits == 8 && nt == TILE && key_nv) {  // (the default's keys) scored straight from the codes
+        score_u8_tile(key_plan, qs, d, base, KW, t0, d, pf ? ahead : -1, s);
         scored = true;
       } else
 #endif
@@ -974,6 +1092,9 @@ void coded_task(const Problem& pr, int64_t g, int64_t t_begin, int64_t t_end, Pa
       for (int r = 0; r < R; ++r)
         for (int tt = 0; tt < nt; ++tt)
           if (!mask[t0 + tt]) s[r * TILE + tt] = NEG;
+    if (t0 < valid_from)
+      for (int r = 0; r < R; ++r)
+        for (int tt = 0; tt < std::min<int64_t>(nt, valid_from - t0); ++tt) s[r * TILE + tt] = NEG;
     softmax_tile(P, R, nt, dv, s);
     if (fold_values) {
       int groups = dv / V.group;
@@ -1004,9 +1125,7 @@ void coded_task(const Problem& pr, int64_t g, int64_t t_begin, int64_t t_end, Pa
         }
 #if defined(__AVX2__) && defined(__FMA__)
         if (fused_values) {
-          if (R == 3) weighted_rows_u4_avx<3>(w, VW, t0, nt, P.o, dv, k * V.group, (k + 1) * V.group);
-          else if (R == 2) weighted_rows_u4_avx<2>(w, VW, t0, nt, P.o, dv, k * V.group, (k + 1) * V.group);
-          else weighted_rows_u4_avx<1>(w, VW, t0, nt, P.o, dv, k * V.group, (k + 1) * V.group);
+          weight_u4_tile(value_plan, w, VW, t0, nt, P.o, dv, k * V.group, (k + 1) * V.group);
           continue;
         }
 #endif
@@ -1049,13 +1168,26 @@ constexpr int64_t PARALLEL_MIN_TOKENS = 2048;
 
 void solve(const Problem& pr) {
   Pool& workers = pool();
-  // Coded tokens split into chunks (whole tiles) so every thread gets work even with few heads.
-  int64_t tiles = (pr.n + TILE - 1) / TILE;
-  int64_t want = pr.n >= 512 ? std::max<int64_t>(1, (2 * workers.size() + pr.G - 1) / pr.G) : 1;
-  int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(want, tiles));
-  int64_t tiles_per = tiles ? (tiles + chunks - 1) / chunks : 0;
-  if (tiles) chunks = (tiles + tiles_per - 1) / tiles_per;
-  int64_t per_g = (pr.n ? chunks : 0) + (pr.ne ? 1 : 0);
+  // Coded tokens split into chunks (whole tiles from a multiple of TILE, within one span) so every thread gets
+  // work even with few heads: (first token, end, first token attended) per chunk.
+  std::vector<int64_t> spans = pr.spans.empty() ? std::vector<int64_t>{0, pr.n} : pr.spans;
+  int64_t tiles = 0, covered = 0;
+  for (size_t j = 0; j < spans.size(); j += 2)
+    if (spans[j + 1] > spans[j]) {
+      tiles += (spans[j + 1] - spans[j] / TILE * TILE + TILE - 1) / TILE;
+      covered += spans[j + 1] - spans[j];
+    }
+  int64_t want = covered >= 512 ? std::max<int64_t>(1, (2 * workers.size() + pr.G - 1) / pr.G) : 1;
+  int64_t tiles_per = tiles ? (tiles + std::min(want, tiles) - 1) / std::min(want, tiles) : 0;
+  std::vector<std::array<int64_t, 3>> ranges;
+  for (size_t j = 0; j < spans.size(); j += 2) {
+    const int64_t lo = spans[j], hi = spans[j + 1];
+    if (hi <= lo) continue;  // (an empty span: no chunk of masked tokens only)
+    for (int64_t a = lo / TILE * TILE; a < hi; a += tiles_per * TILE)
+      ranges.push_back({a, std::min(hi, a + tiles_per * TILE), lo});
+  }
+  const int64_t chunks = int64_t(ranges.size());
+  int64_t per_g = chunks + (pr.ne ? 1 : 0);
   // Reused across calls (one decode step per layer): no allocation, no page faults per step.
   static thread_local std::vector<Partial> parts_buffer;
   static thread_local std::vector<float> outs;
@@ -1066,13 +1198,13 @@ void solve(const Problem& pr) {
   workers.run(int(pr.G * per_g), [&](int task) {
     int64_t g = task / per_g, i = task % per_g;
     Partial& P = parts[size_t(task)];
-    if (pr.n && i < chunks) {
-      int64_t t0 = i * tiles_per * TILE, t1 = std::min<int64_t>(pr.n, (i + 1) * tiles_per * TILE);
-      coded_task(pr, g, t0, t1, P);
+    if (i < chunks) {
+      const auto& c = ranges[size_t(i)];
+      coded_task(pr, g, c[0], c[1], c[2], P);
     } else {
       exact_task(pr, g, P);
     }
-  }, pr.G * (pr.n + pr.ne) >= PARALLEL_MIN_TOKENS);
+  }, pr.G * (covered + pr.ne) >= PARALLEL_MIN_TOKENS);
   const int R = pr.R, dv = pr.dv;
   for (int64_t g = 0; g < pr.G; ++g) {
     for (int r = 0; r < R; ++r) {
@@ -1128,14 +1260,16 @@ struct Params {
 // [v_levels], [k2w, k2s, pk2, k2_levels], [v2w, v2_levels]
 class CodedDecodeAttention : public UnaryPrimitive {
  public:
-  CodedDecodeAttention(Stream s, Params p) : UnaryPrimitive(s), p_(p) {}
+  CodedDecodeAttention(Stream s, Params p, std::vector<int64_t> spans)
+      : UnaryPrimitive(s), p_(p), spans_(std::move(spans)) {}
   void eval_cpu(const std::vector<array>& inputs, array& out) override;
   void eval_gpu(const std::vector<array>& inputs, array& out) override {
     throw std::runtime_error("veloxquant coded attention has no GPU implementation (use the MLX reference)");
   }
   const char* name() const override { return "VeloxquantCodedDecodeAttention"; }
   bool is_equivalent(const Primitive& other) const override {
-    return p_ == static_cast<const CodedDecodeAttention&>(other).p_;
+    const auto& o = static_cast<const CodedDecodeAttention&>(other);
+    return p_ == o.p_ && spans_ == o.spans_;
   }
   std::vector<Shape> output_shapes(const std::vector<array>& inputs) override {
     auto sh = inputs[0].shape();
@@ -1145,6 +1279,7 @@ class CodedDecodeAttention : public UnaryPrimitive {
 
  private:
   Params p_;
+  std::vector<int64_t> spans_;  // Problem::spans
 };
 
 void CodedDecodeAttention::eval_cpu(const std::vector<array>& inputs, array& out) {
@@ -1152,7 +1287,7 @@ void CodedDecodeAttention::eval_cpu(const std::vector<array>& inputs, array& out
   auto& enc = cpu::get_command_encoder(stream());
   for (auto& a : inputs) enc.set_input_array(a);
   enc.set_output_array(out);
-  enc.dispatch([inputs = inputs, out = array::unsafe_weak_copy(out), p = p_]() mutable {
+  enc.dispatch([inputs = inputs, out = array::unsafe_weak_copy(out), p = p_, spans = spans_]() mutable {
     size_t i = 0;
     const array &q = inputs[i++], &pk = inputs[i++], &pv = inputs[i++];
     const array &kw = inputs[i++], &ks = inputs[i++];
@@ -1238,6 +1373,7 @@ void CodedDecodeAttention::eval_cpu(const std::vector<array>& inputs, array& out
     pr.emask_rows = emask && emask->shape(0) != pr.G;
     pr.sinks = sinks ? sinks->data<float>() : nullptr;
     pr.out = out.data<float>();
+    pr.spans = spans;
     solve(pr);
   });
 }
@@ -1295,7 +1431,8 @@ array coded_decode_attention(const array& q, const array& pk, const array& pv, c
                              const std::optional<array>& v_levels, const std::optional<array>& k2w,
                              const std::optional<array>& k2s, const std::optional<array>& pk2,
                              const std::optional<array>& k2_levels, int k2_bits, const std::optional<array>& v2w,
-                             const std::optional<array>& v2_levels, int v2_bits) {
+                             const std::optional<array>& v2_levels, int v2_bits,
+                             const std::optional<std::vector<int64_t>>& spans) {
   require(q.dtype() == float32 && q.ndim() == 4, "q must be float32 (B, Hkv, R, d), got " + shape_str(q));
   int B = q.shape(0), H = q.shape(1), R = q.shape(2), d = q.shape(3);
   int64_t G = int64_t(B) * H;
@@ -1311,8 +1448,18 @@ array coded_decode_attention(const array& q, const array& pk, const array& pv, c
   require(ek.dtype() == float32 && ev.dtype() == float32 && lead_ok(ek, B, H) && lead_ok(ev, B, H) &&
           ek.shape(3) == d && ev.shape(3) == dv && ek.shape(2) == ev.shape(2),
           "exact keys / values must be float32 (B, H, ne, d) / (B, H, ne, dv)");
-  int64_t ne = ek.shape(2);
-  require(n + ne > 0, "the history holds no token");
+  int64_t ne = ek.shape(2), attended = n;
+  if (spans) {
+    require(spans->size() % 2 == 0, "spans: pairs of token slots (lo, hi)");
+    attended = 0;
+    for (size_t j = 0; j < spans->size(); j += 2) {
+      const int64_t lo = (*spans)[j], hi = (*spans)[j + 1];
+      require(0 <= lo && lo <= hi && hi <= n && (j == 0 || (*spans)[j - 1] <= lo),
+              "spans: sorted disjoint slots [lo, hi) within the codes' n tokens");
+      attended += hi - lo;
+    }
+  }
+  require(attended + ne > 0, "the history holds no token");
   auto mu_ok = [&](const std::optional<array>& m, int w) {
     return !m || (m->dtype() == float32 && m->ndim() == 2 && m->shape(1) == w && m->shape(0) >= 1 &&
                   G % m->shape(0) == 0);
@@ -1389,9 +1536,58 @@ array coded_decode_attention(const array& q, const array& pk, const array& pv, c
   // stream than the ops producing its inputs was measured reading the exact tokens before they were written.
   Stream s = to_stream(StreamOrDevice{});
   require(s.device == Device::cpu, "the compiled attention runs on the CPU: make the CPU the default device");
-  return array(Shape{B, H, R, dv}, float32, std::make_shared<CodedDecodeAttention>(s, p), in);
+  return array(Shape{B, H, R, dv}, float32,
+               std::make_shared<CodedDecodeAttention>(s, p, spans ? *spans : std::vector<int64_t>{}), in);
 }
 
+}  // namespace vq
+
+#ifndef VELOXQUANT_ARCH
+#define VELOXQUANT_ARCH ""
+#endif
+namespace vq {
+// The instruction-set flags build_kernel.py passed, behind a marker kernel.py finds in the file's bytes before it
+// imports the module (whose static initializers already run instructions of these sets).
+extern const char kArchMarker[];
+__attribute__((used)) const char kArchMarker[] = "VELOXQUANT_ARCH_FLAGS=" VELOXQUANT_ARCH;
+
+// The instruction-set extensions this binary was compiled to use (its -m flags) that the running CPU lacks: the
+// library refuses the module (kernel.py) instead of dying on an illegal instruction. __builtin_cpu_supports takes
+// string literals only, hence one line per feature.
+std::vector<std::string> missing_cpu_features() {
+  std::vector<std::string> missing;
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+#define VQ_NEEDS(name) \
+  if (!__builtin_cpu_supports(name)) missing.push_back(name);
+#if defined(__AVX__)
+  VQ_NEEDS("avx")
+#endif
+#if defined(__AVX2__)
+  VQ_NEEDS("avx2")
+#endif
+#if defined(__FMA__)
+  VQ_NEEDS("fma")
+#endif
+#if defined(__F16C__)
+  VQ_NEEDS("f16c")
+#endif
+#if defined(__BMI2__)
+  VQ_NEEDS("bmi2")
+#endif
+#if defined(__AVX512F__)
+  VQ_NEEDS("avx512f")
+#endif
+#if defined(__AVX512BW__)
+  VQ_NEEDS("avx512bw")
+#endif
+#if defined(__AVX512VL__)
+  VQ_NEEDS("avx512vl")
+#endif
+#undef VQ_NEEDS
+#endif
+  return missing;
+}
 }  // namespace vq
 
 void bind_affine_encode(nb::module_& m);  // affine_encode.cpp
@@ -1405,9 +1601,23 @@ NB_MODULE(_coded_attention, m) {
 #define VELOXQUANT_SOURCE_HASH "unknown"
 #endif
   m.attr("built_from_sources") = VELOXQUANT_SOURCE_HASH;  // build_kernel.source_hash() of the sources built
+  m.attr("built_with_flags") = vq::kArchMarker + std::strlen("VELOXQUANT_ARCH_FLAGS=");
+  m.def("missing_cpu_features", &vq::missing_cpu_features,
+        "instruction-set extensions this module was compiled for that this CPU lacks (empty: it can run here)");
   m.attr("log_scale_offset") = vq::LOG_SCALE_OFFSET;
   m.attr("log_scale_steps") = vq::LOG_SCALE_STEPS;
   m.def("threads", [] { return vq::pool().size(); }, "worker threads (VELOXQUANT_KERNEL_THREADS, else all cores)");
+  m.def(
+      "set_row_plan",
+      [](int keys, int values) {
+        for (int v : {keys, values})
+          if (v != -1 && v != 0 && v != 2 && v != 4) throw std::invalid_argument("row plan: -1 (auto), 0, 2 or 4");
+        vq::g_row_plan[0] = keys;
+        vq::g_row_plan[1] = values;
+      },
+      nb::arg("keys"), nb::arg("values"),
+      "benchmarks only: vectors per row block read straight from the default's key / value codes (4 or 2; 0: "
+      "decode each tile once; -1: the measured choice per query rows per KV head)");
   m.def("coded_decode_attention", &vq::coded_decode_attention, nb::arg("q"), nb::arg("pk"), nb::arg("pv"),
         nb::arg("kw"), nb::arg("ks"), nb::arg("kb").none(), nb::arg("k_tokens_last"), nb::arg("k_bits"), nb::arg("k_group"),
         nb::arg("vw"), nb::arg("vs"), nb::arg("vb").none(), nb::arg("v_tokens_last"), nb::arg("v_bits"),
@@ -1416,7 +1626,7 @@ NB_MODULE(_coded_attention, m) {
         nb::arg("k_levels").none() = nb::none(), nb::arg("v_levels").none() = nb::none(),
         nb::arg("k2w").none() = nb::none(), nb::arg("k2s").none() = nb::none(), nb::arg("pk2").none() = nb::none(),
         nb::arg("k2_levels").none() = nb::none(), nb::arg("k2_bits") = 0, nb::arg("v2w").none() = nb::none(),
-        nb::arg("v2_levels").none() = nb::none(), nb::arg("v2_bits") = 0);
+        nb::arg("v2_levels").none() = nb::none(), nb::arg("v2_bits") = 0, nb::arg("spans").none() = nb::none());
   bind_affine_encode(m);
   bind_gather_rows(m);
 }

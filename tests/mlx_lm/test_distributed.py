@@ -1,7 +1,7 @@
 """Compressed caches on sharded models: 2 and 3 ranks of ``mlx.launch --backend ring`` on 127.0.0.1.
 
 Each launch is bounded in time and its whole process group is killed if it overruns. The ranks' results are
-compared with the same model run in one process (tests/distributed/worker.py; the SmolLM2 case through the CLI).
+compared with the same model run in one process (tests/mlx_lm/distributed/worker.py; the SmolLM2 case through the CLI).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "distributed", "worker.py")
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))  # (tests/mlx_lm/ -> the repository)
 pytestmark = pytest.mark.skipif(shutil.which("mlx.launch") is None, reason="mlx.launch (ships with mlx) not on PATH")
 
 

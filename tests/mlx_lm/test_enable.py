@@ -130,7 +130,7 @@ def test_batch_generate_batches_our_caches():
     try:
         alone = [[r.token for r in stream_generate(model, tok, p, max_tokens=4)] for p in prompts]
         out = batch_generate(model, tok, prompts, max_tokens=4, return_token_ids=True, return_prompt_caches=True)
-        assert out.token_ids == alone  # (tests/test_batch_cache.py compares logits, margin-aware)
+        assert out.token_ids == alone  # (tests/cache/test_batch_cache.py compares logits, margin-aware)
         assert all(type(c) is TurboQuantPackedCache for caches in out.caches for c in caches)
     finally:
         vq.disable(model)

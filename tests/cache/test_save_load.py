@@ -115,7 +115,13 @@ def _check_single(kind: str, name: str, n: int, sizes, seed: int) -> None:
     _assert_same_state(loaded, cache)
     q = mx.array(np.random.default_rng(seed + 2).standard_normal((1, 2 * H, 1, D)).astype(np.float32))
     with use_packed_attention():
-        assert mx.array_equal(loaded.attend_packed(q, D ** -0.5, None), cache.attend_packed(q, D ** -0.5, None))
+        got, want = loaded.attend_packed(q, D ** -0.5, None), cache.attend_packed(q, D ** -0.5, None)
+    if kind == "rotating":
+        # the live window still holds its evicted slots (skipped inside the kernel's 32-token tiles) where the
+        # loaded one starts compact: the same codes summed in other tiles, so equal to float32 rounding only
+        assert mx.allclose(got, want, rtol=1e-5, atol=1e-6).item(), (kind, name, n)
+    else:
+        assert mx.array_equal(got, want).item(), (kind, name, n)
 
 
 def _check_batch(kind: str, name: str, n: int, sizes, seed: int) -> None:

@@ -19,7 +19,7 @@ import urllib.request
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARCHITECTURES = ("llama", "qwen3", "gemma3_text", "mixtral", "deepseek_v2", "qwen3_5")
 # dense, MoE, hybrid, and MLA (whose caches do not merge: the server answers one request after another)
 SERVED = ("llama", "mixtral", "qwen3_5", "deepseek_v2")

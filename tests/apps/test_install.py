@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TOOLS = ("sh", "bash", "env", "uname", "cat", "ls", "rm", "mkdir", "cp", "mv", "ln", "grep", "sed", "tar", "gzip",
          "dirname", "basename", "readlink", "id", "chmod", "touch", "head", "tail", "sort", "tr", "cut", "wc", "git")
 COMPILERS = ("cmake", "c++", "g++", "gcc", "cc", "clang", "clang++")
@@ -66,10 +66,13 @@ def _install_and_run(python, env, target, *flags, cwd):
     code = ("import veloxquant_mlx, veloxquant_mlx.attention.kernel as k; import mlx.core as mx; "
             "from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache as C; "
             "c = C(fetch_placeholders=False); x = mx.ones((1, 2, 70, 64)); c.update_and_fetch(x, x); "
-            "print(veloxquant_mlx.__file__); print(k.status()[0])")
+            "print(veloxquant_mlx.__file__); print(k.status()[0]); "
+            "from veloxquant_mlx.eval.tiny_configs import CONFIGS; print(len(CONFIGS))")  # (package data)
     r = subprocess.run([str(python), "-c", code], env=env, cwd=cwd, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
-    return r.stdout.split()
+    where, kernel, configs = r.stdout.split()
+    assert int(configs) > 100, "the tiny configurations (package data) were not installed"
+    return where, kernel
 
 
 def test_wheel_and_editable_install_without_a_compiler(sdist, no_compiler_env, tmp_path):

@@ -1,4 +1,4 @@
-"""Run by tests/test_distributed.py under ``mlx.launch`` (each rank runs this file); not a test module itself.
+"""Run by tests/mlx_lm/test_distributed.py under ``mlx.launch`` (each rank runs this file); not a test module itself.
 
     worker.py CASE OUT_DIR [--single]    CASE: tensor (tiny llama, 4 KV heads) | pipeline (tiny qwen2, 4 layers)
 

@@ -218,7 +218,7 @@ def _tiny_llama_without_context():
 
 
 def _send(port, path, body):
-    """(status, decoded JSON) of one POST, as tests/test_server_bad_input.py sends them."""
+    """(status, decoded JSON) of one POST, as tests/apps/test_server_bad_input.py sends them."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     try:
         conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})

@@ -15,7 +15,7 @@ from veloxquant_mlx.eval.memory import measure_bytes_per_token
 from veloxquant_mlx.models import loader as loader_mod
 from veloxquant_mlx.options import DEFAULT_NAME
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _one_line_error(err: str) -> str:

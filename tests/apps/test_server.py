@@ -106,7 +106,7 @@ def _library_generate(model, tokenizer, prompt, cache):
 def test_arguments_take_registered_methods_and_mlx_lm_defaults():
     args = _parse()
     assert (args.model, args.method, args.host, args.port, args.max_tokens) == (
-        "smollm2", DEFAULT_NAME, "127.0.0.1", 8080, 512)  # the one default (tests/test_one_default.py)
+        "smollm2", DEFAULT_NAME, "127.0.0.1", 8080, 512)  # the one default (tests/mlx_lm/test_one_default.py)
     assert (args.temp, args.top_p, args.top_k, args.prompt_cache_size, args.allowed_origins) == (0.0, 1.0, 0, 10, ["*"])
     for name in method_names():  # every registered name is offered; families need --bits
         assert _parse("--method", name).method == name
@@ -294,7 +294,7 @@ def test_concurrent_requests_are_answered_correctly(serve, smollm2, on_codes):
 
     Served with the k8v4 block configuration: a batched forward pass differs from a single one in the last
     float bits (batched matmuls, plain caches too), and SmolLM2 with 4-bit Lloyd-Max codes amplifies that into
-    another answer ("L'Étoile, la" for France, measured); tests/test_batch_cache.py compares batched to alone."""
+    another answer ("L'Étoile, la" for France, measured); tests/cache/test_batch_cache.py compares batched to alone."""
     handle = serve(*smollm2, "--method", "tq-affine-k8v4")
     client = _client(handle)
     jobs = [(0, "France", False), (1, "Japan", False), (2, "France", True)]

@@ -393,3 +393,93 @@ def test_block_codec_state_round_trip_and_rotating_refusal():
                    for n, a in x.rows.v_codes.arrays.items())
     with pytest.raises(ValueError, match="affine_block"):
         TurboQuantRotatingPackedCache(cfg(), max_size=64, codec="affine_block")
+
+
+# ----------------------------------------------------------------------------- issue 47: a coded tail
+def _budget(bits=4, codec="kblock_vsym8_pt"):
+    from veloxquant_mlx.options import preset
+    import dataclasses
+
+    return dataclasses.replace(preset(f"tq-{bits}b"), codec=codec)
+
+
+def test_budget_layout_stores_its_waiting_tokens_as_codes():
+    """tq-4b's tokens waiting for their 128-token key block: keys as provisional per-token codes, values as the value
+    codec's codes, which move unchanged into the value store when the block completes (no second rounding); the
+    completed block's keys are coded from the provisional codes. Only the sink is held as floats."""
+    from veloxquant_mlx.codecs.kblock_tail import provisional_bits
+
+    k, v = kv(H=2, T=300, d=64, seed=3)
+    cache = TurboQuantPackedCache(_budget(4), fetch_placeholders=False)
+    cache.update_and_fetch(k[:, :, :200], v[:, :, :200])
+    r = cache.rows
+    assert (r.sink_n[0], cache.n_coded, r.tail_n[0]) == (1, 128, 71)
+    assert r.tail.coder is not None and set(r.tail.raw.buffers) == {"k_w_q", "k_scales", "v_w_q", "v_scales"}
+    assert all(a.dtype in (mx.uint32, mx.uint8) for a in r.tail.raw.buffers.values())
+    assert r.tail.coder.k.bits == provisional_bits(4, type(r.k_codec).TAIL_EXTRA_BITS) > 4
+    # the waiting values are the value codec's codes of the tokens, exactly
+    want_v = r.v_codec.encode(v[:, :, 129:200])
+    got = r.tail.live_arrays()
+    assert all(mx.array_equal(got["v_" + f], a).item() for f, a in want_v.items())
+    cache.update_and_fetch(k[:, :, 200:300], v[:, :, 200:300])
+    assert (cache.n_coded, r.tail_n[0]) == (256, 43)
+    # block 2 (tokens 129..256): values as coded on arrival; keys from the provisional codes' reconstruction
+    blk_v = r.v_codec.encode(v[:, :, 129:257])
+    stored_v = r.v_codec.slice_tokens(r.v_codes.arrays, 128, 256)
+    assert all(mx.array_equal(stored_v[f], a).item() for f, a in blk_v.items())
+    prov = r.tail.coder.k.decode(r.tail.coder.k.encode(k[:, :, 129:257]), mx.float32)
+    blk_k = r.k_codec.encode(prov)
+    stored_k = r.k_codec.slice_tokens(r.k_codes.arrays, 128, 256)
+    assert all(mx.array_equal(stored_k[f], a).item() for f, a in blk_k.items())
+    # attention on the stored form (codes and provisional codes) = attention over the decoded history
+    hk, hv = cache.keys_and_values()
+    assert rel_err(hk, k) < 0.12 and rel_err(hv, v) < 0.12  # (4-bit codes of Gaussian data: ~0.1)
+    assert mx.array_equal(hk[:, :, :1], k[:, :, :1]).item()  # the sink is exact
+    q = kv(H=2, T=1, d=64, seed=9)[0]
+    ref = mx.fast.scaled_dot_product_attention(q, hk, hv, scale=0.125)
+    assert rel_err(cache.attend_packed(q, 0.125, None), ref) < 1e-4
+
+
+def test_coded_tail_costs_its_codes_not_floats():
+    """At 2048 tokens (127 waiting) tq-Nb store at most their budget; the exact tail of the old layout did not."""
+    from veloxquant_mlx.options import BUDGETS
+
+    k, v = kv(H=3, T=2048, d=64, seed=1)
+    for bits in (4, 3, 2):
+        coded, exact = (TurboQuantPackedCache(_budget(bits, c)) for c in ("kblock_vsym8_pt", "kblock_vsym8"))
+        for c in (coded, exact):
+            for s in range(0, 2048, 256):
+                c.update_and_fetch(k[:, :, s:s + 256], v[:, :, s:s + 256])
+            assert c.rows.tail_n[0] == 127
+        assert coded.bits_per_coordinate() <= BUDGETS[f"tq-{bits}b"] < exact.bits_per_coordinate() - 1.5
+        tail_bytes = coded.rows.tail.nbytes
+        assert tail_bytes < exact.rows.tail.nbytes / 4
+
+
+def test_coded_tail_state_round_trip_trim_and_refusal():
+    """A coded tail saves as codes (``t_k_*``, ``t_v_*``) and restores bit for bit; a trim into a coded block
+    returns its survivors to the tail as provisional codes; a state holding an exact tail for this layout (or a coded
+    one for the exact layout) is refused, naming what was expected."""
+    k, v = kv(H=2, T=300, d=64, seed=4)
+    cache = TurboQuantPackedCache(_budget(3))
+    cache.update_and_fetch(k, v)
+    state = cache.state
+    assert {n for n in state if n.startswith("t_")} == {"t_k_w_q", "t_k_scales", "t_v_w_q", "t_v_scales"}
+    back = TurboQuantPackedCache.from_state(state)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(cache.keys_and_values(), back.keys_and_values()))
+    assert back.live_nbytes == cache.live_nbytes
+    # an exact tail where codes are expected: refused clearly
+    bad = {n: a for n, a in state.items() if not n.startswith("t_")}
+    hk, hv = cache.keys_and_values()
+    bad.update({"t_k": hk[:, :, -43:], "t_v": hv[:, :, -43:]})
+    with pytest.raises(ValueError, match="stores the tokens waiting for their key block as codes"):
+        TurboQuantPackedCache.from_state(bad)
+    # trim 50: 43 tail tokens, then 7 of the last coded block; its 121 survivors wait again as provisional codes
+    before = cache.keys_and_values()[0]
+    assert cache.trim(50) == 50
+    assert (cache.n_coded, cache.rows.tail_n[0]) == (128, 121)
+    assert cache.rows.tail.coder is not None and set(cache.rows.tail.raw.buffers) >= {"k_w_q", "v_w_q"}
+    after = cache.keys_and_values()[0]
+    assert after.shape[2] == 250 and rel_err(after, before[:, :, :250]) < 0.12
+    cache.update_and_fetch(k[:, :, 250:260], v[:, :, 250:260])
+    assert (cache.n_coded, cache.rows.tail_n[0]) == (256, 3)

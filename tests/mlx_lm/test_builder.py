@@ -7,8 +7,8 @@ from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models import gemma3_text, llama, qwen3
 
 import veloxquant_mlx as vq
+from veloxquant_mlx import KVCacheBuilder
 from veloxquant_mlx.cache import (
-    KVCacheBuilder,
     TurboQuantPackedCache,
     TurboQuantRotatingPackedCache,
     TurboQuantRVQKVCache,

@@ -5,7 +5,7 @@ NaN bias for a non-finite group and rotated-mean offset, the float16 clamp). The
 the same three arrays exactly, for every width and group MLX packs, both layouts, both stored scale dtypes, head
 dims that are and are not a multiple of its eight SIMD lanes, magnitudes from tiny to beyond float16, and
 non-finite inputs; the codecs must store the same codes whichever path runs, and take the compiled one when
-the kernel is on (its first-use check against a wrong encoding: tests/test_kernel.py). CI builds the kernel,
+the kernel is on (its first-use check against a wrong encoding: tests/cache/test_kernel.py). CI builds the kernel,
 so the compiled path is what these tests reach.
 """
 from __future__ import annotations

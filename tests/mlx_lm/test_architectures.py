@@ -144,7 +144,7 @@ def test_any_head_dim_is_compressed():
 def test_readme_supported_models_is_the_generated_table(results32):
     """README's "Supported models" table is what `python -m veloxquant_mlx.eval.architectures --summary` writes."""
     from pathlib import Path
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
     begin, end = "<!-- supported-models:begin -->\n", "<!-- supported-models:end -->"
     assert begin in text and end in text
     table = text[text.index(begin) + len(begin):text.index(end)]

@@ -34,7 +34,7 @@ def test_the_kernel_is_built_and_used_here():
 
 def test_kernel_layouts_are_the_affine_ones():
     assert set(KERNEL_LAYOUTS) == {"affine", "affine_block", "affine_block_kv", "affine_block_kv_mse", "kblock_vsym",
-                                   "kblock_vsym8", "lloyd_max", "kblock_vlloyd"}
+                                   "kblock_vsym8", "kblock_vsym8_pt", "lloyd_max", "kblock_vlloyd"}
 
 
 def _parts(codec: str, bits: int, n: int, *, B=1, H=2, R=3, d=64, exact=True, seed=0, group_size=None,
@@ -106,8 +106,8 @@ def test_parity_head_dims_and_gqa_groups(d, R, codec):
 @pytest.mark.parametrize("d", [64, 128])
 def test_parity_default_codes_per_gqa_group(R, d):
     """The default's codes (8-bit block keys, 4-bit per-token values): for up to three query heads per KV head
-    whole tiles are scored and weighted straight from the codes, for more through decoded tiles; both equal the
-    reference."""
+    whole tiles are scored and weighted straight from the codes, for more half tiles in row blocks (or, values at
+    R >= 8, decoded tiles; every R and plan: test_kernel_parity.py); equal to the reference."""
     q, parts = _parts("affine_block", 8, 3 * 64, v_bits=4, d=d, R=R, seed=R + d)
     assert parts[1].k_codec.bits == 8 and parts[1].v_codec.bits == 4
     _close(_kernel(q, parts, d ** -0.5), reference_one_query(q, parts, d ** -0.5))
@@ -230,13 +230,14 @@ def test_parity_prod_with_a_sketch_shorter_than_the_head():
 
 
 def test_declines_what_it_does_not_read():
-    """1-bit TurboQuant-Prod keys (no MSE stage), outlier channels, two coded parts, per-query-row masks, head dims
-    over 256: None (the caller runs the reference)."""
+    """1-bit TurboQuant-Prod keys (no MSE stage), outlier channels, two long coded parts that are not slot ranges
+    of one, per-query-row masks, head dims over 256: None (the caller runs the reference)."""
     q, parts = _parts("lloyd_max", 1, 64, method="turboquant_prod")
     assert kernel.decode_step(q, parts, 0.125) is None
     q, parts = _parts("lloyd_max", 4, 64, n_outlier_channels=8)
     assert kernel.decode_step(q, parts, 0.125) is None
-    q, parts = _parts("affine_block", 8, 64, exact=False)
+    q, parts = _parts("affine_block", 8, 192, exact=False)  # (two coded parts over DECODED_PART_TOKENS: not one pass)
+    assert parts[0].length > kernel.DECODED_PART_TOKENS
     assert kernel.decode_step(q, parts + parts, 0.125) is None
     m = mx.ones((1, 2, 3, 64), dtype=mx.bool_)
     assert kernel.decode_step(q, parts, 0.125, masks=[m]) is None
@@ -317,6 +318,7 @@ def test_missing_or_mismatched_module_falls_back_with_one_warning(fresh_kernel_s
         attend_one_query(q, parts, 0.125)
     assert mx.array_equal(out, reference_one_query(q, parts, 0.125))
     assert kernel.status()[0] is False and "rebuild" in kernel.status()[1]
+    assert "python -m veloxquant_mlx.attention.build_kernel" in kernel.status()[1]  # (the command, named)
 
 
 def _load_fake(monkeypatch, **functions) -> str:
@@ -347,6 +349,50 @@ def test_a_module_built_from_other_sources_is_refused(fresh_kernel_state, monkey
     real = kernel.compiled_module()
     reason = _load_fake(monkeypatch, coded_decode_attention=real.coded_decode_attention, built_from_sources="0" * 16)
     assert "other sources" in reason and "rebuild" in reason
+
+
+def test_the_build_flags_run_on_any_avx2_x86_64_and_are_recorded(monkeypatch):
+    """No -march=native: AVX2 / FMA / F16C on x86-64, nothing on arm64; the module carries the flags it was built
+    with, readable from its file before it is imported."""
+    import importlib.util
+
+    from veloxquant_mlx.attention import build_kernel
+    monkeypatch.delenv("VELOXQUANT_ARCH_FLAGS", raising=False)
+    assert build_kernel.arch_flags("x86_64") == build_kernel.arch_flags("AMD64") == ["-mavx2", "-mfma", "-mf16c"]
+    assert build_kernel.arch_flags("arm64") == build_kernel.arch_flags("aarch64") == []
+    monkeypatch.setenv("VELOXQUANT_ARCH_FLAGS", "-march=native -O2")
+    assert build_kernel.arch_flags("x86_64") == ["-march=native", "-O2"]
+    mod = kernel.compiled_module()
+    recorded = kernel._binary_flags(importlib.util.find_spec(kernel.MODULE).origin)
+    assert recorded == mod.built_with_flags.split()
+    assert "-march=native" not in recorded  # (CI and setup.sh build with the defaults)
+    assert list(mod.missing_cpu_features()) == []  # this CPU runs it (it just did)
+
+
+def test_a_cpu_lacking_the_built_extensions_is_refused_before_import(fresh_kernel_state, monkeypatch):
+    """On an x86 CPU without AVX2 (as /proc/cpuinfo says) the module is not even imported: the reference runs, with
+    one warning naming what is missing."""
+    monkeypatch.setattr(kernel, "_binary_flags", lambda path: ["-mavx2", "-mfma", "-mf16c"])  # (the x86 build's)
+    monkeypatch.setattr(kernel, "_cpu_flags", lambda: {"sse2", "avx", "fma", "f16c"})
+    monkeypatch.setattr(kernel, "_module", None)
+    monkeypatch.setattr(kernel, "_reason", None)
+    monkeypatch.setattr(kernel, "_warned", False)
+    q, parts = _parts("affine_block", 8, 128)
+    with pytest.warns(RuntimeWarning, match="lacks avx2"):
+        out = attend_one_query(q, parts, 0.125)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one warning, not one per step
+        attend_one_query(q, parts, 0.125)
+    assert mx.array_equal(out, reference_one_query(q, parts, 0.125))
+    assert kernel.status()[0] is False and "lacks avx2" in kernel.status()[1]
+
+
+def test_a_module_reporting_missing_cpu_features_is_refused(fresh_kernel_state, monkeypatch):
+    """The module's own check after the import (__builtin_cpu_supports on the features it was compiled for)."""
+    real = kernel.compiled_module()
+    reason = _load_fake(monkeypatch, coded_decode_attention=real.coded_decode_attention,
+                        missing_cpu_features=lambda: ["avx2", "fma"])
+    assert "lacks avx2, fma" in reason
 
 
 def test_a_module_that_computes_garbage_is_refused(fresh_kernel_state, monkeypatch):

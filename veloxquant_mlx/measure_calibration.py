@@ -1,5 +1,9 @@
 """`calibrate`: run a model on calibration text and measure what its caches' channel weights need.
 
+It runs the model with attention routed (`veloxquant_mlx.integration`), so it sits above the integration, beside
+it, while the `veloxquant_mlx.calibration` package (the weights' math and the `Calibration` file) sits below the
+options and the builder that read it.
+
 Per layer and KV head, over every token of the calibration text: the keys' per-channel variance, the queries'
 per-channel second moment (summed over the query heads sharing the KV head; queries and keys after RoPE, as the
 cache sees them), the values' per-channel second moment, and the output projection's squared column norms (how
@@ -117,7 +121,7 @@ def calibrate(model, tokens=None, *, tokenizer=None, power: float = 0.25, chunk:
             raise ValueError("calibrate: pass tokens=..., or tokenizer=... to use the default calibration text")
         seqs = default_calibration_tokens(model, tokenizer)
         text = {"source": "generated", "description": description or "the model's own greedy answers to "
-                f"{len(DEFAULT_PROMPTS)} fixed prompts (veloxquant_mlx.calibration.measure.DEFAULT_PROMPTS)"}
+                f"{len(DEFAULT_PROMPTS)} fixed prompts (veloxquant_mlx.measure_calibration.DEFAULT_PROMPTS)"}
     else:
         seqs = _token_lists(tokens)
         text = {"source": "user", "description": description or "token ids given by the caller"}

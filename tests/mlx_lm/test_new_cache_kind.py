@@ -19,6 +19,7 @@ from mlx_lm.models import llama
 
 import veloxquant_mlx as vq
 from veloxquant_mlx import integration
+from veloxquant_mlx.cache import registry
 from veloxquant_mlx.cache.packed_cache import TurboQuantRotatingPackedCache
 
 NEW_KIND = '''
@@ -64,7 +65,7 @@ def new_kind(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     module = importlib.import_module("streaming_kind")
     monkeypatch.setattr(integration, "CACHE_KINDS", dict(integration.CACHE_KINDS))
-    monkeypatch.setattr(integration, "CACHE_CLASSES", integration.CACHE_CLASSES)
+    monkeypatch.setattr(registry, "CACHE_CLASSES", registry.CACHE_CLASSES)  # the classes files name
     # the one registration line
     integration.register_cache_kind(module.StreamingKVCache, module.convert, module.TurboQuantStreamingCache,
                                     module.TurboQuantBatchStreamingCache)
@@ -130,7 +131,7 @@ def test_a_new_cache_kind_is_one_module_and_one_line(new_kind, tmp_path):
                 sa, sb = row.state, alone.state
                 assert sa["meta"] == sb["meta"] and set(sa) == set(sb)
                 # layer 0 stores the same inputs: the same arrays; deeper layers' inputs come through attention,
-                # whose compiled kernel agrees with itself across batch layouts to 1e-5 (tests/test_kernel.py), not
+                # whose compiled kernel agrees with itself across batch layouts to 1e-5 (tests/cache/test_kernel.py), not
                 # bit for bit (its online softmax runs over tiles of tokens, which fall differently around pad and
                 # evicted slots)
                 for n in set(sa) - {"meta"}:

@@ -38,6 +38,8 @@ CONFIGS = {
     # exact recent windows: per-token codes read the tail's older tokens through a round trip; block codes wait
     "affine-recent": CacheOptions(codec="affine", k_bits=4, v_bits=4, sink=4, recent=6, trim_headroom=3),
     "affine_block-k8v4-recent": dataclasses.replace(CONFIGURATIONS["tq-affine-k8v4"], recent=8),
+    # the budget layout: tokens waiting for their 128-token key block stored as codes (provisional keys, values)
+    "kblock_vsym8_pt-k4v4": CONFIGURATIONS["tq-4b"],
 }
 RNG = np.random.default_rng(5)
 LENGTHS = (3, 80, 41, 150, 20, 7, 100, 1)  # around the sink (4) and 32-token blocks
@@ -286,8 +288,8 @@ def _arrays_reachable(obj, seen=None) -> int:
         # shared, stateless rotations (the same for every row); the (B,) offset array is bookkeeping, as in
         # mlx_lm's BatchKVCache, whose nbytes counts keys and values only; "_views" (with the attention parts
         # made of them) / "_sink_views" are views of counted arrays kept for the next decode step (reset whenever
-        # those arrays change: a stale one would attend old codes, which tests/test_kernel.py and the equality
-        # tests here would see; holding superseded arrays, tests/test_cache_memory.py)
+        # those arrays change: a stale one would attend old codes, which tests/cache/test_kernel.py and the equality
+        # tests here would see; holding superseded arrays, tests/cache/test_cache_memory.py)
         skip = ("rotation", "quantizers", "_base", "offset", "_views", "_sink_views")
         return sum(_arrays_reachable(v, seen) for k, v in vars(obj).items() if k not in skip)
     return 0

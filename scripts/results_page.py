@@ -1,0 +1,372 @@
+"""The results page and the README's results table, generated from the benchmark JSONs under ``results/``.
+
+    python scripts/results_page.py                 # results/*.json -> docs/results.md, docs/results-*.svg, README table
+    python scripts/results_page.py --results DIR --docs DIR --readme FILE
+
+Every figure on the page and in the README's table is read from a JSON a command wrote; a section whose JSON is
+missing says which command makes it. Known inputs (`SOURCES`):
+
+- ``results/demo.json``: ``veloxquant demo --out results/demo.json`` (every registered method against mlx_lm's
+  plain and quantized caches on one perplexity slice: bits, KV memory, perplexity, KL, decode speed, an answer);
+  the README's table and the KL-against-bits plot come from it;
+- ``results/quality.json``: ``benchmarks/quality.py`` (perplexity / KL per corpus and context, passkey);
+- ``results/e2e_speed.json``: ``benchmarks/e2e_speed.py`` (prefill and decode speed against the plain cache at a
+  long prompt, peak memory); the speed plot comes from it;
+- ``results/memory.json``: ``benchmarks/memory.py`` (peak memory of a long prefill + decode).
+
+Any other JSON under ``results/`` is listed by name (present, not summarized). The plots are SVG written here by
+hand (no plotting library needed). The README's table goes between ``<!-- results:begin -->`` and
+``<!-- results:end -->``; without ``results/demo.json`` the README is left as it is (its table is never replaced by
+nothing). Standard library only, plus `veloxquant_mlx.options` for the default's and the budgets' names.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import html
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from veloxquant_mlx.options import BUDGETS, DEFAULT_NAME  # noqa: E402
+
+COMMAND = "python scripts/results_page.py"
+BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+# file -> (what it holds, the command that writes it)
+SOURCES = {
+    "demo.json": ("every method on one perplexity slice of SmolLM2 (the README's table)",
+                  "veloxquant demo --out results/demo.json"),
+    "quality.json": ("perplexity / KL per corpus and context, passkey",
+                     "python benchmarks/quality.py --contexts 512,2048 --windows 1,1 --needle --out results/quality.json"),
+    "e2e_speed.json": ("prefill / decode speed and peak memory at a long prompt",
+                       "python benchmarks/e2e_speed.py --configs all --out results/e2e_speed.json"),
+    "memory.json": ("peak memory of a long prefill + decode through mlx_lm",
+                    "python benchmarks/memory.py --prompt 4096 --decode 100 --out results/memory.json"),
+}
+MLX_BASELINES = ("mlx-q8", "mlx-q4")
+PLAIN = "kv"
+
+
+# ----------------------------------------------------------------------------------------------------- reading
+
+def load(results: Path) -> Dict[str, dict]:
+    """Every ``*.json`` directly under ``results`` that parses, by file name (a broken one is reported, skipped)."""
+    found = {}
+    for path in sorted(results.glob("*.json")) if results.is_dir() else []:
+        try:
+            found[path.name] = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            print(f"results_page: skipped {path}: {e}", file=sys.stderr)
+    return found
+
+
+def stamp(results: Path, name: str) -> str:
+    """The JSON file's modification date (UTC), the only date a run leaves."""
+    t = (results / name).stat().st_mtime
+    return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%d")
+
+
+def headline_names(methods: Sequence[str]) -> List[str]:
+    """The README's rows, in order: the plain cache, mlx_lm's 8- and 4-bit caches, the default, the budget presets
+    (each only when the run has it)."""
+    wanted = [PLAIN, *MLX_BASELINES, DEFAULT_NAME, *BUDGETS]
+    return [n for n in wanted if n in methods]
+
+
+def demo_rows(demo: dict, names: Optional[Sequence[str]] = None) -> List[dict]:
+    """One row per method of a demo run: name, bits, KV MiB, ppl, Δppl, KL, decode tok/s, answer."""
+    methods = demo.get("methods", {})
+    rows = []
+    for name in (names if names is not None else list(methods)):
+        r = methods[name]
+        p = r["ppl"]
+        rows.append({"name": name, "bits": p["memory"]["bits_per_coordinate"], "mib": p["memory"]["mib_total"],
+                     "ppl": p["ppl"], "dppl": p["delta_ppl"], "kl": p["kl"], "tok_s": r.get("decode_tokens_per_s"),
+                     "answer": r.get("answer", "")})
+    return rows
+
+
+def speed_rows(e2e: dict) -> List[dict]:
+    """e2e_speed.json's rows: config, decode (step loop, else mlx_lm loop) and prefill ratios to the plain cache."""
+    out = []
+    for r in e2e.get("rows", []):
+        decode = r.get("decode_step_vs_kv", r.get("decode_mlx_lm_vs_kv"))
+        out.append({"name": r["config"], "decode_vs_kv": decode, "decode_tok_s": r.get(
+            "decode_step_tok_s", r.get("decode_mlx_lm_tok_s")), "prefill_vs_kv": r.get("prefill_vs_kv"),
+            "peak_mib": r.get("peak_mib"), "cache_mib": r.get("cache_mib")})
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------- tables
+
+def _f(x, fmt: str, missing: str = "not measured") -> str:
+    return missing if x is None else format(x, fmt)
+
+
+def table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _short(text: str, n: int = 60) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= n else text[:n - 3] + "..."
+
+
+def readme_block(demo: dict, e2e: Optional[dict], when: str) -> str:
+    """The README's results table (and its plot), between the markers."""
+    names = headline_names(list(demo.get("methods", {})))
+    speed = {r["name"]: r for r in speed_rows(e2e)} if e2e else {}
+    ctx = demo.get("context")
+    head = ["cache", "bits / coordinate", f"KV MiB @{ctx}", "KL (nats/token)", "Δppl", f"decode tok/s @{ctx}"]
+    if e2e:
+        head.append(f"decode x plain @{e2e.get('prompt')}")
+    rows = []
+    for r in demo_rows(demo, names):
+        label = {PLAIN: "mlx_lm plain", "mlx-q8": "mlx_lm 8-bit", "mlx-q4": "mlx_lm 4-bit"}.get(
+            r["name"], f"`{r['name']}`" + (" (default)" if r["name"] == DEFAULT_NAME else ""))
+        row = [label, f"{r['bits']:.2f}", f"{r['mib']:.2f}", f"{r['kl']:.4f}", f"{r['dppl']:+.3f}",
+               _f(r["tok_s"], ".1f")]
+        if e2e:
+            row.append(_f(speed.get(r["name"], {}).get("decode_vs_kv"), ".2f") + ("x" if r["name"] in speed else ""))
+        rows.append(row)
+    lines = [BEGIN,
+             f"`veloxquant demo --out results/demo.json` ({when}; the embedded SmolLM2-135M, a {ctx}-token "
+             f"perplexity slice, attention {demo.get('attention_path', 'path not recorded')})" + (f" and `benchmarks/e2e_speed.py` ({e2e.get('prompt')}-token prompt, "
+                            f"{e2e.get('machine', 'machine not recorded')})" if e2e else "")
+             + f", tabled by `{COMMAND}`. The demo's decode speed is one unpaired run at a short context; "
+             + ("the paired speed against the plain cache is the last column." if e2e else
+                f"paired speed against the plain cache: `{SOURCES['e2e_speed.json'][1]}`.")
+             + " More: [docs/results.md](docs/results.md).",
+             "", table(head, rows), "",
+             "![KL against bits per coordinate](docs/results-kl-bits.svg)", END]
+    return "\n".join(lines)
+
+
+def page(found: Dict[str, dict], results: Path, plots: Dict[str, str]) -> str:
+    out = ["# Results", "",
+           f"Generated by `{COMMAND}` from the JSONs under `results/` (each section names the command that wrote its "
+           "JSON). Do not edit by hand: rerun the benchmark, then the generator.", ""]
+    missing = [n for n in SOURCES if n not in found]
+    if missing:
+        out += ["## Not measured here yet", ""]
+        out += [f"- `results/{n}` ({SOURCES[n][0]}): `{SOURCES[n][1]}`" for n in missing]
+        out.append("")
+    if "demo.json" in found:
+        demo = found["demo.json"]
+        out += [f"## Every method on one slice (`results/demo.json`, {stamp(results, 'demo.json')})", "",
+                f"`{SOURCES['demo.json'][1]}`: a {demo.get('context')}-token perplexity slice in lockstep with the "
+                f"plain cache; attention {demo.get('attention_path', 'path not recorded')}; prompt "
+                f"{demo.get('prompt', '')!r}.", ""]
+        rows = demo_rows(demo)
+        out.append(table(["method", "bits/coord", f"KV MiB @{demo.get('context')}", "ppl", "Δppl", "KL",
+                          "decode tok/s", "answer"],
+                         [[r["name"], f"{r['bits']:.2f}", f"{r['mib']:.2f}", f"{r['ppl']:.3f}", f"{r['dppl']:+.3f}",
+                           f"{r['kl']:.4f}", _f(r["tok_s"], ".1f"), _short(r["answer"])] for r in rows]))
+        if "kl-bits" in plots:
+            out += ["", f"![KL against bits per coordinate]({plots['kl-bits']})"]
+        out.append("")
+    if "quality.json" in found:
+        q = found["quality.json"]
+        out += [f"## Quality per corpus and context (`results/quality.json`, {stamp(results, 'quality.json')})", "",
+                f"`{q.get('command') or SOURCES['quality.json'][1]}`", ""]
+        for corpus, per in q.get("corpora", {}).items():
+            ctxs = sorted(per.get("ppl", {}), key=int)
+            names = list(dict.fromkeys(n for c in ctxs for n in per["ppl"][c]))
+            head = ["method"] + [f"{k} @{c}" for c in ctxs for k in ("bits", "Δppl", "KL")]
+            rows = []
+            for name in names:
+                cells = [name]
+                for c in ctxs:
+                    r = per["ppl"][c].get(name)
+                    cells += ([f"{r['memory']['bits_per_coordinate']:.2f}", f"{r['delta_ppl']:+.3f}",
+                               f"{r['kl']:.4f}"] if r else ["not run", "", ""])
+                rows.append(cells)
+            out += [f"**{corpus}** ({per.get('tokens', '?')} tokens)", "", table(head, rows), ""]
+        needle = (q.get("needle") or {}).get("results")
+        if needle:
+            out += ["Passkey retrieval: " + ", ".join(f"{n} {v['passed']}/{v['total']}" for n, v in needle.items()),
+                    ""]
+    if "e2e_speed.json" in found:
+        e = found["e2e_speed.json"]
+        out += [f"## Speed at a long prompt (`results/e2e_speed.json`, {stamp(results, 'e2e_speed.json')})", "",
+                f"{e.get('prompt')}-token prompt in chunks of {e.get('chunk')}, {e.get('decode')} decode tokens, "
+                f"{e.get('repeats')} repeats, fill {e.get('fill')}; {e.get('machine', 'machine not recorded')}; BLAS "
+                f"{e.get('blas', '?')}; attention {e.get('attention_path', '?')}.", ""]
+        out.append(table(["config", "decode tok/s", "decode x plain", "prefill x plain", "peak MiB", "cache MiB"],
+                         [[r["name"], _f(r["decode_tok_s"], ".2f"), _f(r["decode_vs_kv"], ".2f"),
+                           _f(r["prefill_vs_kv"], ".2f"), _f(r["peak_mib"], ".1f"), _f(r["cache_mib"], ".2f")]
+                          for r in speed_rows(e)]))
+        if "speed" in plots:
+            out += ["", f"![decode speed against the plain cache]({plots['speed']})"]
+        out.append("")
+    if "memory.json" in found:
+        m = found["memory.json"]
+        out += [f"## Peak memory (`results/memory.json`, {stamp(results, 'memory.json')})", "",
+                f"`{SOURCES['memory.json'][1]}` with a {m.get('prompt')}-token prompt and {m.get('decode')} decode "
+                f"tokens; weights {m.get('weights_bytes', 0) / 2**20:.1f} MiB (in every peak).", "",
+                table(["cache", "peak MiB", "cache MiB", "seconds"],
+                      [[n, _f(r.get("peak_mib"), ".1f"), _f(r.get("cache_mib"), ".2f"), _f(r.get("seconds"), ".1f")]
+                       for n, r in m.get("caches", {}).items()]), ""]
+    others = sorted(set(found) - set(SOURCES))
+    if others:
+        out += ["## Other JSONs present (not summarized here)", "",
+                "\n".join(f"- `results/{n}`" for n in others), ""]
+    return "\n".join(out).rstrip() + "\n"
+
+
+# ----------------------------------------------------------------------------------------------------- plots
+
+def _esc(text) -> str:
+    return html.escape(str(text), quote=True)
+
+
+def svg_scatter(points: Sequence[Tuple[str, float, float, bool]], xlabel: str, ylabel: str, title: str,
+                log_y: bool = True, width: int = 640, height: int = 400) -> str:
+    """(label, x, y, baseline?) points; baselines as squares, ours as circles; log y axis by default."""
+    pts = [(l, x, y, b) for l, x, y, b in points if x is not None and y is not None and (y > 0 or not log_y)]
+    left, right, top, bottom = 70, 20, 36, 50
+    fy = (lambda v: math.log10(v)) if log_y else (lambda v: v)
+    xs, ys = [p[1] for p in pts] or [0.0, 1.0], [fy(p[2]) for p in pts] or [0.0, 1.0]
+    x0, x1 = 0.0, max(xs) * 1.08 or 1.0
+    y0, y1 = (math.floor(min(ys)), math.ceil(max(ys))) if log_y else (0.0, max(ys) * 1.1 or 1.0)
+    if y1 <= y0:
+        y1 = y0 + 1
+    px = lambda v: left + (v - x0) / (x1 - x0) * (width - left - right)  # noqa: E731
+    py = lambda v: height - bottom - (fy(v) - y0) / (y1 - y0) * (height - top - bottom)  # noqa: E731
+    s = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+         f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">',
+         f'<rect width="{width}" height="{height}" fill="white"/>',
+         f'<text x="{width / 2}" y="20" text-anchor="middle" font-size="13">{_esc(title)}</text>',
+         f'<line x1="{left}" y1="{height - bottom}" x2="{width - right}" y2="{height - bottom}" stroke="black"/>',
+         f'<line x1="{left}" y1="{top}" x2="{left}" y2="{height - bottom}" stroke="black"/>']
+    step = max(1, int(math.ceil(x1 / 10)))
+    for t in range(0, int(x1) + 1, step):
+        s.append(f'<line x1="{px(t):.1f}" y1="{height - bottom}" x2="{px(t):.1f}" y2="{height - bottom + 4}" '
+                 f'stroke="black"/><text x="{px(t):.1f}" y="{height - bottom + 16}" text-anchor="middle">{t}</text>')
+    ticks = [10 ** e for e in range(int(y0), int(y1) + 1)] if log_y else [y0 + i * (y1 - y0) / 5 for i in range(6)]
+    for t in ticks:
+        label = f"1e{int(round(math.log10(t)))}" if log_y else f"{t:.3g}"
+        s.append(f'<line x1="{left - 4}" y1="{py(t):.1f}" x2="{width - right}" y2="{py(t):.1f}" stroke="#ddd"/>'
+                 f'<text x="{left - 6}" y="{py(t) + 4:.1f}" text-anchor="end">{label}</text>')
+    s.append(f'<text x="{(left + width - right) / 2}" y="{height - 12}" text-anchor="middle">{_esc(xlabel)}</text>')
+    s.append(f'<text x="16" y="{(top + height - bottom) / 2}" text-anchor="middle" '
+             f'transform="rotate(-90 16 {(top + height - bottom) / 2})">{_esc(ylabel)}</text>')
+    placed: List[Tuple[float, float, float]] = []  # labels drawn: (x0, x1, baseline y)
+    for label, x, y, baseline in sorted(pts, key=lambda p: py(p[2])):
+        cx, cy = px(x), py(y)
+        color = "#888" if baseline else "#1f6fb4"
+        s.append(f'<rect x="{cx - 4:.1f}" y="{cy - 4:.1f}" width="8" height="8" fill="{color}"/>' if baseline else
+                 f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="4.5" fill="{color}"/>')
+        right_side = cx > left + 0.7 * (width - left - right)  # label on the left of points near the right edge
+        tx, w = (cx - 6 if right_side else cx + 6), 6.2 * len(label)  # ~6.2 px a character at 11 px
+        (lx0, lx1), ty = ((tx - w, tx) if right_side else (tx, tx + w)), cy - 5
+        while any(a < lx1 and lx0 < b and abs(ty - t) < 11 for a, b, t in placed):  # below a label it overlaps
+            ty += 11
+        placed.append((lx0, lx1, ty))
+        anchor = ' text-anchor="end"' if right_side else ""
+        s.append(f'<text x="{tx:.1f}" y="{ty:.1f}" fill="{color}"{anchor}>{_esc(label)}</text>')
+    s.append("</svg>")
+    return "\n".join(s) + "\n"
+
+
+def svg_bars(bars: Sequence[Tuple[str, float]], xlabel: str, title: str, reference: float = 1.0,
+             width: int = 640) -> str:
+    """Horizontal bars (label, value) with a dashed line at ``reference`` (the plain cache's own speed)."""
+    bars = [(l, v) for l, v in bars if v is not None]
+    left, right, top, row = 150, 50, 36, 22
+    height = top + row * max(len(bars), 1) + 40
+    vmax = max([v for _, v in bars] + [reference]) * 1.1
+    px = lambda v: left + v / vmax * (width - left - right)  # noqa: E731
+    s = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+         f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">',
+         f'<rect width="{width}" height="{height}" fill="white"/>',
+         f'<text x="{width / 2}" y="20" text-anchor="middle" font-size="13">{_esc(title)}</text>']
+    for i, (label, v) in enumerate(bars):
+        y = top + i * row
+        s.append(f'<text x="{left - 6}" y="{y + 14}" text-anchor="end">{_esc(label)}</text>'
+                 f'<rect x="{left}" y="{y + 3}" width="{px(v) - left:.1f}" height="{row - 6}" '
+                 f'fill="{"#888" if label.startswith(("kv", "mlx-")) else "#1f6fb4"}"/>'
+                 f'<text x="{px(v) + 4:.1f}" y="{y + 14}">{v:.2f}x</text>')
+    y_end = top + row * len(bars)
+    s.append(f'<line x1="{px(reference):.1f}" y1="{top}" x2="{px(reference):.1f}" y2="{y_end}" stroke="black" '
+             f'stroke-dasharray="4 3"/>')
+    s.append(f'<text x="{(left + width - right) / 2}" y="{y_end + 28}" text-anchor="middle">{_esc(xlabel)}</text>')
+    s.append("</svg>")
+    return "\n".join(s) + "\n"
+
+
+def plots_of(found: Dict[str, dict]) -> Dict[str, Tuple[str, str]]:
+    """plot key -> (file name, SVG text), for the JSONs present."""
+    out = {}
+    if "demo.json" in found:
+        demo = found["demo.json"]
+        pts = [(r["name"], r["bits"], r["kl"], r["name"] == PLAIN or r["name"].startswith("mlx-"))
+               for r in demo_rows(demo) if r["name"] != PLAIN]
+        out["kl-bits"] = ("results-kl-bits.svg", svg_scatter(
+            pts, "bits per coordinate (every stored byte)", "KL to the plain cache (nats/token, log)",
+            f"veloxquant demo, {demo.get('context')}-token slice: KL against bits (squares: mlx_lm's caches)"))
+    if "e2e_speed.json" in found:
+        e = found["e2e_speed.json"]
+        bars = [(r["name"], r["decode_vs_kv"]) for r in speed_rows(e) if r["name"] != PLAIN]
+        out["speed"] = ("results-speed.svg", svg_bars(
+            bars, "decode speed / plain cache's (dashed: 1x)", f"Decode at a {e.get('prompt')}-token prompt"))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------- writing
+
+def update_readme(readme: Path, block: str) -> bool:
+    text = readme.read_text(encoding="utf-8")
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{readme}: no {BEGIN} ... {END} markers")
+    start, stop = text.index(BEGIN), text.index(END) + len(END)
+    new = text[:start] + block + text[stop:]
+    if new != text:
+        readme.write_text(new, encoding="utf-8")
+    return new != text
+
+
+def generate(results: Path, docs: Path, readme: Optional[Path]) -> List[Path]:
+    """Write the page, its plots and (with demo.json) the README's table; the paths written."""
+    found = load(results)
+    docs.mkdir(parents=True, exist_ok=True)
+    written, links = [], {}
+    for key, (name, svg) in plots_of(found).items():
+        (docs / name).write_text(svg, encoding="utf-8")
+        written.append(docs / name)
+        links[key] = name
+    (docs / "results.md").write_text(page(found, results, links), encoding="utf-8")
+    written.append(docs / "results.md")
+    if readme is not None:
+        if "demo.json" in found:
+            block = readme_block(found["demo.json"], found.get("e2e_speed.json"), stamp(results, "demo.json"))
+            if update_readme(readme, block):
+                written.append(readme)
+        else:
+            print(f"results_page: no {results / 'demo.json'}: {readme} left as it is "
+                  f"(make it: {SOURCES['demo.json'][1]})", file=sys.stderr)
+    return written
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--results", default=str(ROOT / "results"), help="folder of benchmark JSONs")
+    ap.add_argument("--docs", default=str(ROOT / "docs"), help="where results.md and the SVG plots go")
+    ap.add_argument("--readme", default=str(ROOT / "README.md"), help="README whose results table is replaced")
+    ap.add_argument("--no-readme", action="store_true", help="leave the README alone")
+    args = ap.parse_args(argv)
+    for path in generate(Path(args.results), Path(args.docs), None if args.no_readme else Path(args.readme)):
+        print(f"wrote {os.path.relpath(path)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
