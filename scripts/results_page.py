@@ -120,20 +120,37 @@ def _short(text: str, n: int = 60) -> str:
     return text if len(text) <= n else text[:n - 3] + "..."
 
 
+BITS_AT = 2048  # a round length, not a block boundary: the demo's 513 tokens close the budgets' 128-token blocks
+
+
+def bits_at(name: str, tokens: int = BITS_AT) -> Optional[float]:
+    """Bits per coordinate (every stored byte) of method ``name``'s cache holding ``tokens`` random tokens of
+    SmolLM2's attention shape (3 KV heads, head_dim 64: the demo's model), or None for a name no spec resolves."""
+    from veloxquant_mlx.eval.memory import measure_bytes_per_token
+    from veloxquant_mlx.eval.specs import resolve_spec
+
+    try:
+        spec = resolve_spec(name)
+    except (KeyError, ValueError):
+        return None
+    return measure_bytes_per_token(spec.make_cache, 3, 64, context=tokens)["bits_per_coordinate"]
+
+
 def readme_block(demo: dict, e2e: Optional[dict], when: str) -> str:
     """The README's results table (and its plot), between the markers."""
     names = headline_names(list(demo.get("methods", {})))
     speed = {r["name"]: r for r in speed_rows(e2e)} if e2e else {}
     ctx = demo.get("context")
-    head = ["cache", "bits / coordinate", f"KV MiB @{ctx}", "KL (nats/token)", "Δppl", f"decode tok/s @{ctx}"]
+    head = ["cache", f"bits / coordinate @{ctx}", f"bits @{BITS_AT}", f"KV MiB @{ctx}", "KL (nats/token)", "Δppl",
+            f"decode tok/s @{ctx}"]
     if e2e:
         head.append(f"decode x plain @{e2e.get('prompt')}")
     rows = []
     for r in demo_rows(demo, names):
         label = {PLAIN: "mlx_lm plain", "mlx-q8": "mlx_lm 8-bit", "mlx-q4": "mlx_lm 4-bit"}.get(
             r["name"], f"`{r['name']}`" + (" (default)" if r["name"] == DEFAULT_NAME else ""))
-        row = [label, f"{r['bits']:.2f}", f"{r['mib']:.2f}", f"{r['kl']:.4f}", f"{r['dppl']:+.3f}",
-               _f(r["tok_s"], ".1f")]
+        row = [label, f"{r['bits']:.2f}", _f(bits_at(r["name"]), ".2f"), f"{r['mib']:.2f}", f"{r['kl']:.4f}",
+               f"{r['dppl']:+.3f}", _f(r["tok_s"], ".1f")]
         if e2e:
             row.append(_f(speed.get(r["name"], {}).get("decode_vs_kv"), ".2f") + ("x" if r["name"] in speed else ""))
         rows.append(row)
@@ -141,7 +158,8 @@ def readme_block(demo: dict, e2e: Optional[dict], when: str) -> str:
              f"`veloxquant demo --out results/demo.json` ({when}; the embedded SmolLM2-135M, a {ctx}-token "
              f"perplexity slice, attention {demo.get('attention_path', 'path not recorded')})" + (f" and `benchmarks/e2e_speed.py` ({e2e.get('prompt')}-token prompt, "
                             f"{e2e.get('machine', 'machine not recorded')})" if e2e else "")
-             + f", tabled by `{COMMAND}`. The demo's decode speed is one unpaired run at a short context; "
+             + f", tabled by `{COMMAND}`. Bits @{BITS_AT}: the same caches holding {BITS_AT} random tokens of "
+             "SmolLM2's shape (every stored byte, the exact tokens waiting for a block included). The demo's decode speed is one unpaired run at a short context; "
              + ("the paired speed against the plain cache is the last column." if e2e else
                 f"paired speed against the plain cache: `{SOURCES['e2e_speed.json'][1]}`.")
              + " More: [docs/results.md](docs/results.md).",

@@ -613,7 +613,8 @@ class Rows:
                                           self.row_codec(1, i), self.v_codes.row_view(i, lo, hi)))
             parts[-1].within = None if whole is None else (whole, lo, hi)  # (the kernel: one pass)
         if self.tail_n[i] and self.tail.coder is not None:
-            # a coded tail is attended on its codes (no decode per step): provisional keys, values as coded
+            # a coded tail is one more coded part (provisional keys, values as coded): the kernel decodes it each
+            # step beside the exact tokens (`kernel.DECODED_PART_TOKENS`), the reference reads it like any codes
             L, coder = self.tail.length, self.tail.coder
             store = self.tail.raw
             memo = getattr(self, "_tail_parts", {}).get(i)
@@ -621,7 +622,7 @@ class Rows:
             if memo is None or memo[0] != (L, self.tail_n[i], store.writes) or memo[1] is not store:
                 raw = {n: a[:, :, L - self.tail_n[i]:L] if one else a[i:i + 1, :, L - self.tail_n[i]:L]
                        for n, a in self.tail.raw.buffers.items()}
-                ks, vs = coder.split(raw)[:2]
+                ks, vs = coder.split(raw)
                 memo = ((L, self.tail_n[i], store.writes), store, CodedPart(coder.k, ks, coder.v, vs))
                 self._tail_parts = {**getattr(self, "_tail_parts", {}), i: memo}
             parts.append(memo[2])
