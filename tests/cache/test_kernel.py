@@ -300,6 +300,21 @@ def test_turned_off_runs_the_reference_exactly():
         kernel.set_enabled("yes")
 
 
+def _falls_back_with_one_warning(monkeypatch, match: str) -> None:
+    """With the kernel module reloaded, a step runs on the reference with one warning matching ``match`` (not one
+    per step), and gives the reference's output."""
+    monkeypatch.setattr(kernel, "_module", None)
+    monkeypatch.setattr(kernel, "_reason", None)
+    monkeypatch.setattr(kernel, "_warned", False)
+    q, parts = _parts("affine_block", 8, 128)
+    with pytest.warns(RuntimeWarning, match=match):
+        out = attend_one_query(q, parts, 0.125)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one warning, not one per step
+        attend_one_query(q, parts, 0.125)
+    assert mx.array_equal(out, reference_one_query(q, parts, 0.125))
+
+
 def test_missing_or_mismatched_module_falls_back_with_one_warning(fresh_kernel_state, monkeypatch):
     import sys
     import types
@@ -307,16 +322,7 @@ def test_missing_or_mismatched_module_falls_back_with_one_warning(fresh_kernel_s
     fake = types.ModuleType("veloxquant_mlx.attention._coded_attention")
     fake.built_with_mlx = "0.0.1"
     monkeypatch.setitem(sys.modules, "veloxquant_mlx.attention._coded_attention", fake)
-    monkeypatch.setattr(kernel, "_module", None)
-    monkeypatch.setattr(kernel, "_reason", None)
-    monkeypatch.setattr(kernel, "_warned", False)
-    q, parts = _parts("affine_block", 8, 128)
-    with pytest.warns(RuntimeWarning, match="built against MLX 0.0.1"):
-        out = attend_one_query(q, parts, 0.125)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # one warning, not one per step
-        attend_one_query(q, parts, 0.125)
-    assert mx.array_equal(out, reference_one_query(q, parts, 0.125))
+    _falls_back_with_one_warning(monkeypatch, "built against MLX 0.0.1")
     assert kernel.status()[0] is False and "rebuild" in kernel.status()[1]
     assert "python -m veloxquant_mlx.attention.build_kernel" in kernel.status()[1]  # (the command, named)
 
@@ -374,16 +380,7 @@ def test_a_cpu_lacking_the_built_extensions_is_refused_before_import(fresh_kerne
     one warning naming what is missing."""
     monkeypatch.setattr(kernel, "_binary_flags", lambda path: ["-mavx2", "-mfma", "-mf16c"])  # (the x86 build's)
     monkeypatch.setattr(kernel, "_cpu_flags", lambda: {"sse2", "avx", "fma", "f16c"})
-    monkeypatch.setattr(kernel, "_module", None)
-    monkeypatch.setattr(kernel, "_reason", None)
-    monkeypatch.setattr(kernel, "_warned", False)
-    q, parts = _parts("affine_block", 8, 128)
-    with pytest.warns(RuntimeWarning, match="lacks avx2"):
-        out = attend_one_query(q, parts, 0.125)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # one warning, not one per step
-        attend_one_query(q, parts, 0.125)
-    assert mx.array_equal(out, reference_one_query(q, parts, 0.125))
+    _falls_back_with_one_warning(monkeypatch, "lacks avx2")
     assert kernel.status()[0] is False and "lacks avx2" in kernel.status()[1]
 
 
