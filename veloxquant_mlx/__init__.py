@@ -22,7 +22,7 @@ _EXPORTS = {
     "TurboQuantMSE": "veloxquant_mlx.quantizers.turboquant_mse",
     "TurboQuantProd": "veloxquant_mlx.quantizers.turboquant_prod",
     "TurboQuantRVQ": "veloxquant_mlx.quantizers.turboquant_rvq",
-    "OutlierDetector": "veloxquant_mlx.outlier.detector",
+    "OutlierDetector": "veloxquant_mlx.compat.outlier",
     "TurboQuantKVCache": "veloxquant_mlx.compat.turboquant_cache",
     "TurboQuantRVQKVCache": "veloxquant_mlx.compat.turboquant_rvq_cache",
     "STANDALONE_METHODS": "veloxquant_mlx.cache.base",

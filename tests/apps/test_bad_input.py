@@ -222,7 +222,8 @@ def test_cli_unwritable_out_refused_before_any_work(tmp_path, capsys, monkeypatc
     def no_work(args):
         raise AssertionError("the model was loaded although --out cannot be written")
 
-    monkeypatch.setattr(cli, "_load", no_work)
+    for commands in (cli.run, cli.measure):  # (where demo and eval read `_load`)
+        monkeypatch.setattr(commands, "_load", no_work)
     blocker = tmp_path / "file.txt"
     blocker.write_text("x")
     out = str(blocker / "sub" / "r.json") if where == "under_a_file" else str(tmp_path)
@@ -234,7 +235,7 @@ def test_cli_unwritable_out_refused_before_any_work(tmp_path, capsys, monkeypatc
 def test_cli_unwritable_plot_refused_before_any_work(tmp_path, capsys, monkeypatch):
     import veloxquant_mlx.cli as cli
 
-    monkeypatch.setattr(cli, "_load", lambda args: (_ for _ in ()).throw(AssertionError("loaded")))
+    monkeypatch.setattr(cli.measure, "_load", lambda args: (_ for _ in ()).throw(AssertionError("loaded")))
     rc = cli.main(["eval", "ppl", "--plot", str(tmp_path)])
     assert rc != 0 and "--plot" in _one_line(capsys.readouterr().err)
 

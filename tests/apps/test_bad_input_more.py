@@ -135,7 +135,7 @@ def test_methods_exits_nonzero_only_when_no_method_applies(capsys, monkeypatch):
     import veloxquant_mlx.cli as cli
 
     only_mlx_q = [s for s in cli.registered_specs() if s.family == "mlx-q"]
-    monkeypatch.setattr(cli, "registered_specs", lambda head_dim=None: only_mlx_q)
+    monkeypatch.setattr(cli.measure, "registered_specs", lambda head_dim=None: only_mlx_q)  # (read by `methods`)
     assert cli.main(["methods", "--head-dim", "7"]) == 1
     (line,) = _lines(capsys.readouterr().err)
     assert "--head-dim 7: no method applies" in line and "multiple of 64" in line

@@ -1,10 +1,10 @@
 """The package's import graph: layers in order, no import loop between packages or modules, a library that never
 imports its apps, imports at module level.
 
-Layers: the LIBRARY (options, validate, rotation, codebooks, quantizers/, dsa/, outlier/, core/, config, codecs/,
-cache/, compat/, attention/, integration, model_shape, the package ``__init__``) and the APPS built on it (cli,
-server, eval/, models/, distributed, blas, ``__main__``; benchmarks/ lives outside the package). The graph is read
-from the source with `ast`, without importing anything:
+Layers: the LIBRARY (options, validate, rotation, codebooks, quantizers/, dsa/, core/, config, codecs/, cache/,
+compat/ (the seed pages' API) with outlier/ (its documented path), attention/, integration, model_shape, the package
+``__init__``) and the APPS built on it (cli, server, eval/, models/, distributed, blas, ``__main__``; benchmarks/
+lives outside the package). The graph is read from the source with `ast`, without importing anything:
 
 - every ``import`` / ``from ... import`` statement, at module level or inside a function, relative ones resolved;
   ``from pkg import name`` counts the submodule ``pkg.name`` when there is one, else ``pkg`` itself;
@@ -40,11 +40,13 @@ OPTIONAL = frozenset({"matplotlib", "nanobind"})
 # Lowest first; a package (or top-level module) imports its own layer or lower ones, never a higher one.
 # "" is the package's own __init__ (the public facade: its lazy exports reach the glue).
 LAYERS = (
-    ("math", {"_version", "validate", "rotation", "codebooks", "dsa", "core", "quantizers", "outlier", "config",
-              "model_shape", "calibration"}),
+    ("math", {"_version", "validate", "rotation", "codebooks", "dsa", "core", "quantizers", "config", "model_shape",
+              "calibration"}),
     ("codecs", {"codecs", "options"}),
     ("attention", {"attention"}),
-    ("cache", {"cache", "compat"}),
+    # compat: the seed pages' API (its code); outlier: the documented path veloxquant_mlx.outlier.detector, a
+    # re-export of compat/outlier.py, so in compat's layer (nothing below the cache layer imports either).
+    ("cache", {"cache", "compat", "outlier"}),
     ("glue", {"integration", "measure_calibration", ""}),
     ("apps", set(APPS)),
 )

@@ -97,7 +97,7 @@ def test_cache_without_protocol_takes_original_path(model, monkeypatch):
         return ORIGINAL(*args, **kwargs)
 
     with integration.use_packed_attention():
-        monkeypatch.setattr(integration, "_original", spy)  # the hook calls whatever it saved as the original
+        monkeypatch.setattr(integration.routing, "_original", spy)  # the hook calls whatever it saved as the original
         got = run(model, [KVCache() for _ in range(2)])
         monkeypatch.undo()
     assert len(seen) == 8 and all(isinstance(c, KVCache) for c in seen)

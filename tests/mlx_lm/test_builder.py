@@ -236,7 +236,7 @@ def test_route_attention_is_checked_and_models_the_hook_cannot_route_are_left_al
     model = routed_model(1)
     with pytest.raises(TypeError, match="route_attention must be a bool"):
         vq.make_prompt_cache(model, route_attention="yes")
-    monkeypatch.setattr(integration, "attention_is_routable", lambda m: False)  # e.g. a model calling mx.fast SDPA
+    monkeypatch.setattr(integration.builder, "attention_is_routable", lambda m: False)  # a model calling mx.fast SDPA
     caches = vq.make_prompt_cache(model)
     assert routed_state() == (False, False, False) and not any(c.fetch_placeholders for c in caches)
 

@@ -64,7 +64,7 @@ def new_kind(tmp_path, monkeypatch):
     (tmp_path / "streaming_kind.py").write_text(textwrap.dedent(NEW_KIND))
     monkeypatch.syspath_prepend(str(tmp_path))
     module = importlib.import_module("streaming_kind")
-    monkeypatch.setattr(integration, "CACHE_KINDS", dict(integration.CACHE_KINDS))
+    monkeypatch.setattr(integration.builder, "CACHE_KINDS", dict(integration.CACHE_KINDS))  # where the builder reads it
     monkeypatch.setattr(registry, "CACHE_CLASSES", registry.CACHE_CLASSES)  # the classes files name
     # the one registration line
     integration.register_cache_kind(module.StreamingKVCache, module.convert, module.TurboQuantStreamingCache,

@@ -8,7 +8,7 @@ at ``b = config.bit_width_inlier``, and the cache stores exactly what the quanti
 row per token. Values are stored per token as int8 codes with a float16 scale (absmax / 127).
 
 Optionally (``enable_outlier_two_stream`` with ``n_outlier_channels > 0``) an
-:class:`~veloxquant_mlx.outlier.detector.OutlierDetector` picks the key channels of largest RMS
+:class:`~veloxquant_mlx.compat.outlier.OutlierDetector` picks the key channels of largest RMS
 over the first ``n_calib_tokens`` keys; from then on those channels are split off each key and
 stored as int8 with a per-token float16 scale, and the key with those channels zeroed goes
 through the quantizer. The score of a split key is ``q_in . k_in_hat + q_out . k_out_hat``.
@@ -50,34 +50,20 @@ from typing import Any
 
 import mlx.core as mx
 
+from veloxquant_mlx.compat._ring import dtype_name as _dtype_name
+from veloxquant_mlx.compat._ring import int8_absmax as _int8_absmax
+from veloxquant_mlx.compat._ring import read_slots, slot_ranges, write_slots
+from veloxquant_mlx.compat.outlier import OutlierDetector
 from veloxquant_mlx.config import KVCacheConfig
 from veloxquant_mlx.core.abstractions import KVCache, as_float_rows
-from veloxquant_mlx.core.constants import CACHE_GROWTH_STEP, INT8_MAX
+from veloxquant_mlx.core.constants import CACHE_GROWTH_STEP, INT8_MAX  # noqa: F401  (INT8_MAX: importable as before)
 from veloxquant_mlx.core.context import EncodedVector
-from veloxquant_mlx.outlier.detector import OutlierDetector
 from veloxquant_mlx.quantizers import QUANTIZERS
 from veloxquant_mlx.quantizers._common import to_output_dtype
 
 # The methods this standalone cache offers (documented as ``veloxquant_mlx.cache.base.STANDALONE_METHODS``, which
 # re-exports it: defined here so that the seed's cache imports nothing of the cache layer above it).
 STANDALONE_METHODS = frozenset({"turboquant_mse", "turboquant_prod"})
-
-def _int8_absmax(x: mx.array) -> tuple[mx.array, mx.array]:
-    """Symmetric per-row int8 quantization: ``x (n, c) float32 -> codes (n, c) int8, scale (n,) fp16``.
-
-    ``x ~= codes * scale`` with ``scale = absmax / 127`` rounded to float16. Codes are computed with
-    the rounded scale, so dequantization uses exactly the stored numbers. A zero row gets scale 0
-    and zero codes. A scale past the float16 range comes out inf; callers check it.
-    """
-    scale16 = (mx.max(mx.abs(x), axis=-1) / INT8_MAX).astype(mx.float16)
-    s = scale16.astype(mx.float32)[..., None]
-    nonzero = s > 0
-    codes = mx.clip(mx.round(x / mx.where(nonzero, s, 1.0)), -INT8_MAX, INT8_MAX)
-    return mx.where(nonzero, codes, 0).astype(mx.int8), scale16
-
-
-def _dtype_name(dtype: mx.Dtype) -> str:
-    return str(dtype).rsplit(".", 1)[-1]
 
 
 class TurboQuantKVCache(KVCache):
@@ -183,33 +169,19 @@ class TurboQuantKVCache(KVCache):
     def _first_live(self) -> int:
         return self._n_keys - len(self)
 
-    # ------------------------------------------------------------------ ring-buffer plumbing
+    # ------------------------------------------------------------------ ring-buffer plumbing (compat/_ring.py)
 
     def _slot_ranges(self, lo: int, hi: int) -> list[tuple[int, int]]:
-        """Physical row ranges of logical tokens ``[lo, hi)`` (``hi - lo <= capacity``), in order.
-
-        At most two ranges: a run of tokens wraps around the ring at most once.
-        """
-        if self.capacity is None:
-            return [(lo, hi)]
-        a = lo % self.capacity
-        n = hi - lo
-        if a + n <= self.capacity:
-            return [(a, a + n)]
-        return [(a, self.capacity), (0, a + n - self.capacity)]
+        """Physical row ranges of logical tokens ``[lo, hi)``, in order (one or two)."""
+        return slot_ranges(self.capacity, lo, hi)
 
     def _write(self, buf: mx.array, lo: int, hi: int, rows: mx.array) -> mx.array:
         """Write ``rows`` (``hi - lo`` rows) at the slots of tokens ``[lo, hi)``; returns the buffer."""
-        off = 0
-        for a, b in self._slot_ranges(lo, hi):  # one or two contiguous pieces, never per row
-            buf[a:b] = rows[off : off + b - a]
-            off += b - a
-        return buf
+        return write_slots(buf, self.capacity, lo, hi, rows)
 
     def _read(self, buf: mx.array, lo: int, hi: int) -> mx.array:
         """Rows of tokens ``[lo, hi)`` in logical order."""
-        parts = [buf[a:b] for a, b in self._slot_ranges(lo, hi)]
-        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
+        return read_slots(buf, self.capacity, lo, hi)
 
     def _grow(self, needed: int, key_rows: dict[str, mx.array]) -> None:
         """Make every buffer at least ``needed`` rows, in steps of CACHE_GROWTH_STEP, at most capacity.

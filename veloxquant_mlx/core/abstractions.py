@@ -1,8 +1,13 @@
-"""The interface of the standalone (research) KV caches.
+"""The interface of the standalone (research) KV caches: part of the seed API, used only by
+:mod:`veloxquant_mlx.compat` (the standalone `TurboQuantKVCache` and its `OutlierDetector`).
 
 A standalone cache stores the keys and values of one attention head, one token row at a time
 or in blocks, and answers attention queries itself (``attend``). It is not the mlx_lm cache
-protocol (``update_and_fetch``); the servable caches implement that one.
+protocol (``update_and_fetch``); the servable caches implement that one. So `KVCache` here (the
+name the seed pages document) is not ``mlx_lm.models.cache.KVCache``.
+
+It lives in ``core/`` rather than ``compat/`` because ``compat/`` imports ``core/context.py`` and
+``core/`` may not import ``compat/`` back (one layer down, no package loop: tests/apps/test_layers.py).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Numeric constants shared by the caches (one place, so the byte accounting and the
-quantizers agree on them)."""
+"""Numeric constants of the seed API's standalone cache and outlier detector (:mod:`veloxquant_mlx.compat`), in
+one place. Here rather than in ``compat/`` for the reason given in ``core/abstractions.py``."""
 from __future__ import annotations
 
 #: Tokens the outlier detector observes before it picks the outlier channels.

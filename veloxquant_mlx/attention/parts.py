@@ -1,0 +1,208 @@
+"""The history's parts and what attention computes on each one: masks, scores, weighted values.
+
+`ExactPart` / `CodedPart` (the history in temporal order, see :mod:`veloxquant_mlx.attention.packed_sdpa`), the
+masks restricted to one part, a part's scores and its weighted values (a shared value offset added once), and the
+short-history softmax of a decode step over them. Pure functions that name no codec; the entry points, the tunables
+that route between them and the shared-max ``2**t`` softmax are in :mod:`veloxquant_mlx.attention.packed_sdpa`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import mlx.core as mx
+
+from veloxquant_mlx.codecs._common import f32
+
+# A finite "minus infinity" for masked scores: exp(NEG - m) underflows to 0 without 0 * inf NaNs.
+NEG = float(mx.finfo(mx.float32).min)
+
+
+# --------------------------------------------------------------------------------------------------------
+# parts of the history
+# --------------------------------------------------------------------------------------------------------
+@dataclass
+class ExactPart:
+    """Full-precision keys ``(B, Hkv, n, dk)`` and values ``(B, Hkv, n, dv)``."""
+
+    keys: mx.array
+    values: mx.array
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[2]
+
+
+@dataclass
+class CodedPart:
+    """Tokens held as codes: ``k_arrays`` / ``v_arrays`` are what ``k_codec`` / ``v_codec`` encoded (n tokens).
+
+    ``within``: ``(whole, lo, hi)`` when these codes are slots ``[lo, hi)`` of the coded part ``whole`` (views of
+    its arrays; a sliding window's parts on either side of its evicted slots): the compiled kernel then reads all
+    such parts of one ``whole`` in one pass over its codes, skipping the slots between them."""
+
+    k_codec: object
+    k_arrays: Dict[str, mx.array]
+    v_codec: object
+    v_arrays: Dict[str, mx.array]
+    within: Optional[Tuple["CodedPart", int, int]] = None
+
+    @property
+    def length(self) -> int:
+        return self.k_codec.n_tokens(self.k_arrays)
+
+
+Part = Union[ExactPart, CodedPart]
+
+
+# --------------------------------------------------------------------------------------------------------
+# masks
+# --------------------------------------------------------------------------------------------------------
+def _grouped_mask(mask: mx.array, B: int, Hq: int, Hkv: int, L: int, N: int) -> mx.array:
+    """Array mask broadcastable to ``(B, Hq, L, N)`` -> broadcastable to ``(B, Hkv, R, L, N)``."""
+    if mask.ndim > 4 or mask.ndim == 0:
+        raise ValueError(f"mask must have 1 to 4 dims broadcastable to (B, Hq, L, N), got shape {tuple(mask.shape)}")
+    shape = (1,) * (4 - mask.ndim) + tuple(mask.shape)
+    mb, mh, ml, mn = shape
+    if mn not in (1, N) or ml not in (1, L) or mh not in (1, Hq) or mb not in (1, B):
+        raise ValueError(
+            f"mask of shape {tuple(mask.shape)} does not broadcast to (B, Hq, L, N) = {(B, Hq, L, N)}"
+        )
+    mask = mask.reshape(shape)
+    if mh == 1:
+        return mx.expand_dims(mask, 2)  # (mb, 1, 1, ml, mn)
+    return mask.reshape(mb, Hkv, Hq // Hkv, ml, mn)
+
+
+def _segment_mask(mask, start: int, stop: int, L: int, N: int, window: Optional[int]):
+    """The mask restricted to keys ``[start, stop)``: None (all visible), a bool or an additive array.
+
+    ``mask`` is None, "causal" or a grouped array (see `_grouped_mask`); shapes ``(.., L, stop-start)``.
+    """
+    if mask is None:
+        return None
+    if isinstance(mask, str):
+        first_q = N - L  # position of the first query (queries are the last L keys)
+        # Skip building a mask when every query sees the whole segment (decode, or old history):
+        # the first query sees up to key first_q, the last query's window starts at N - window.
+        if stop - 1 <= first_q and (window is None or start >= N - window):
+            return None
+        q_pos = mx.arange(first_q, N)[:, None]
+        k_pos = mx.arange(start, stop)[None, :]
+        visible = q_pos >= k_pos
+        if window is not None:
+            visible = visible & (q_pos < k_pos + window)
+        return visible
+    if mask.shape[-1] == 1:
+        return mask
+    return mask[..., start:stop]
+
+
+def _apply_mask(scores: mx.array, mask, R: int, L: int) -> mx.array:
+    """``scores`` ``(B, Hkv, R*L, n)`` with a segment mask; masked scores become NEG (bool) or get added."""
+    if mask is None:
+        return scores
+    B, Hkv, RL, n = scores.shape
+    s5 = scores.reshape(B, Hkv, R, L, n)
+    if mask.dtype == mx.bool_:
+        s5 = mx.where(mask, s5, NEG)
+    else:
+        s5 = s5 + mask.astype(mx.float32)
+    return s5.reshape(B, Hkv, RL, n)
+
+
+# --------------------------------------------------------------------------------------------------------
+# one part: scores and weighted values (grouped layout: q (B, Hkv, R*L, d), weights (B, Hkv, R*L, n))
+# --------------------------------------------------------------------------------------------------------
+def part_scores(q: mx.array, part: Part, mask, R: int, L: int, packed_rows: Optional[int] = None) -> mx.array:
+    """Masked scores ``(B, Hkv, R*L, n)`` of grouped queries on one part (in the queries' units)."""
+    if isinstance(part, ExactPart):
+        s = q @ mx.swapaxes(f32(part.keys), -1, -2)
+    else:
+        s = part.k_codec.scores(q, part.k_arrays, packed_rows)
+    return _apply_mask(s, mask, R, L)
+
+
+def _shared_offset(parts: Sequence[Part]) -> Optional[mx.array]:
+    """The ``decoded_offset`` ``(Hkv, dv)`` every coded part's values carry when one value codec holds them all."""
+    codec = None
+    for p in parts:
+        if isinstance(p, CodedPart):
+            if codec is not None and p.v_codec is not codec:
+                return None
+            codec = p.v_codec
+    return None if codec is None else codec.decoded_offset()
+
+
+def _weighted_values(es: Sequence[mx.array], l: mx.array, parts: Sequence[Part], packed_rows: Optional[int]) -> mx.array:
+    """``sum_j e_j v_j`` over every part -> ``(B, Hkv, M, dv)`` (unnormalized; ``es[i]`` are part i's weights,
+    ``l`` their total row sums).
+
+    With one shared value offset ``mu`` (centred values), it is added once with the total weight and taken off
+    the exact parts' values instead (``sum_coded e mu = l mu - sum_exact e mu``): no per-part row sums.
+    """
+    mu = _shared_offset(parts)
+    if mu is not None:
+        mu = mu[None, :, None, :]  # (1, Hkv, 1, dv)
+    o = None if mu is None else l * mu
+    for e_p, p in zip(es, parts):
+        if isinstance(p, ExactPart):
+            o_p = e_p @ (f32(p.values) if mu is None else f32(p.values) - mu)
+        else:
+            o_p = p.v_codec.weighted_sum(e_p, p.v_arrays, packed_rows, with_offset=mu is None)
+        o = o_p if o is None else o + o_p
+    return o
+
+
+def _part_heads(part: Part) -> Tuple[int, int, int]:
+    """``(B, Hkv, dk)`` of a part."""
+    if isinstance(part, ExactPart):
+        return tuple(part.keys.shape[:2]) + (part.keys.shape[-1],)
+    a = next(iter(part.v_arrays.values()))  # (B, H, ...) in every layout
+    return a.shape[0], a.shape[1], part.k_codec.d
+
+
+def _merge_exact(parts: List[Part]) -> List[Part]:
+    """One query that sees every key: the order of keys does not matter, so all exact parts become one (two small
+    concatenations instead of a second matmul pair and slices)."""
+    exact = [p for p in parts if isinstance(p, ExactPart)]
+    if len(exact) < 2:
+        return parts
+    merged = ExactPart(mx.concatenate([p.keys for p in exact], axis=2), mx.concatenate([p.values for p in exact], axis=2))
+    return [p for p in parts if isinstance(p, CodedPart)] + [merged]
+
+
+def _short_softmax_values(scores: List[mx.array], parts: Sequence[Part], sinks, Hkv: int, R: int) -> mx.array:
+    """`attend_one_query`'s weighted values ``(B, Hkv, R, dv)`` for a short history (natural-log ``scores``, one
+    per part): one fused ``mx.softmax`` over the concatenated scores, split per part.
+
+    Below `DECODE_SOFTMAX_TOKENS` this is fewer and cheaper ops than the shared-max ``2**t`` softmax (whose
+    kernels cost more than their elements there). The weights come normalized, so a shared value offset ``mu``
+    is added once, ``(1 - sink weight) mu``, and taken off the exact values.
+    """
+    cols = scores
+    if sinks is not None:
+        cols = scores + [mx.broadcast_to(sinks.astype(mx.float32).reshape(1, Hkv, R, 1), scores[0].shape[:-1] + (1,))]
+    if len(cols) == 1:
+        ws = [mx.softmax(cols[0], axis=-1, precise=True)]
+    else:
+        cuts, at = [], 0
+        for s in cols[:-1]:
+            at += s.shape[-1]
+            cuts.append(at)
+        ws = mx.split(mx.softmax(mx.concatenate(cols, axis=-1), axis=-1, precise=True), cuts, axis=-1)
+    # Not `_weighted_values(ws, 1 - sink weight, ...)`: that form gave other decode logits on 2-rank pipeline runs
+    # (tests/mlx_lm/test_distributed.py) though equal in one process; not understood yet, so the sum stays explicit.
+    mu = _shared_offset(parts)
+    if mu is not None:
+        mu = mx.expand_dims(mu, (0, 2))  # (1, Hkv, 1, dv)
+    o = None
+    for w_p, p in zip(ws, parts):
+        if isinstance(p, ExactPart):
+            o_p = w_p @ (f32(p.values) if mu is None else f32(p.values) - mu)
+        else:
+            o_p = p.v_codec.weighted_sum(w_p, p.v_arrays, with_offset=mu is None)
+        o = o_p if o is None else o + o_p
+    if mu is not None:
+        o = o + (mu if sinks is None else (1.0 - ws[-1]) * mu)
+    return o

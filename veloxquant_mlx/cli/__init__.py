@@ -1,0 +1,102 @@
+"""``veloxquant``: demo, generate, eval (ppl | needle | speed), methods, plan, serve, calibrate.
+
+Every compressed default is `veloxquant_mlx.options.DEFAULT_NAME` (``generate``, ``serve``; ``methods`` marks it).
+
+The program itself starts in :mod:`veloxquant_mlx.launcher`, which re-executes the process with Debian's OpenBLAS
+preloaded before this module (and MLX with it) is imported. Optional extras (matplotlib) are imported by the
+functions that need them.
+
+The package: `main` and the command table here; the parser in :mod:`~veloxquant_mlx.cli.parser`, the pieces the
+commands share in :mod:`~veloxquant_mlx.cli.common`, the commands in :mod:`~veloxquant_mlx.cli.run` (demo, generate)
+and :mod:`~veloxquant_mlx.cli.measure` (eval, methods, plan, calibrate, serve). Every name the single module
+``cli.py`` had is importable from here as before; to patch one, patch it in the module that uses it (a name
+imported here is a second reference, and the commands do not read it).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import List, Optional
+
+from ..eval.corpus import CorpusMissing
+from ..integration import use_packed_attention
+from ..models import ModelPackageMissing
+from .common import CLIError
+from .measure import cmd_calibrate, cmd_eval, cmd_methods, cmd_plan, cmd_serve
+from .parser import build_parser
+from .run import cmd_demo, cmd_generate
+
+# Re-exported: every other name `veloxquant_mlx.cli` held as one module stays importable from it (tests, benchmarks
+# and scripts import some of them). The commands do not read these: patch a name in the module that uses it.
+import argparse, json, math, time  # noqa: E401, E402, F401, I001
+import mlx.core as mx  # noqa: E402, F401
+from mlx_lm import stream_generate  # noqa: E402, F401
+from mlx_lm.generate import BatchGenerator  # noqa: E402, F401
+from tqdm.auto import tqdm  # noqa: E402, F401
+
+from ..attention import kernel as attention_kernel  # noqa: E402, F401
+from ..blas import loaded_blas  # noqa: E402, F401
+from ..calibration.file import Calibration  # noqa: E402, F401
+from ..distributed import rank_summary, shard  # noqa: E402, F401
+from ..eval import corpus_tokens, passkey_eval, perplexity_eval, speed_eval  # noqa: E402, F401
+from ..eval.corpus import CORPORA, DEFAULT_CORPUS  # noqa: E402, F401
+from ..eval.forward import greedy_decode, prefill  # noqa: E402, F401
+from ..eval.memory import DEFAULT_CONTEXT, measure_bytes_per_token, model_kv_shape, plan_context  # noqa: E402, F401
+from ..eval.specs import (MLX_GROUP_SIZE, baseline_specs, registered_specs, resolve_spec,  # noqa: E402, F401
+                          with_calibration)
+from ..integration import disable, enable  # noqa: E402, F401
+from ..measure_calibration import calibrate  # noqa: E402, F401
+from ..models import load_model, max_context  # noqa: E402, F401
+from ..options import DEFAULT_NAME  # noqa: E402, F401
+from ..server import add_serve_arguments, probe_batching, serve_main  # noqa: E402, F401
+from .common import (_chat_ids, _check_context, _check_writable, _load, _load_calibration,  # noqa: E402, F401
+                     _require_matplotlib, _say, _select_specs, _table, _with_reference, _write_json, plot_ppl)
+from .measure import DEFAULT_MARK, _inapplicable, _measure_all, _measured, _reasons  # noqa: E402, F401
+from .parser import (DEMO_PROMPT, MAX_BITS, _bits, _depths, _int_list, _Parser, _positive,  # noqa: E402, F401
+                     _positive_float, _positive_int)
+from .run import _generate_batched, _read_prompts  # noqa: E402, F401
+
+
+# Commands that run models: inside use_packed_attention() (serve installs it in its own serving context).
+ATTENTION_ON_CODES = ("demo", "generate", "eval")
+COMMANDS = {"demo": cmd_demo, "generate": cmd_generate, "eval": cmd_eval, "methods": cmd_methods, "plan": cmd_plan,
+            "serve": cmd_serve, "calibrate": cmd_calibrate}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point. ``argv=None`` means a real process: re-exec with OpenBLAS first if useful."""
+    if argv is None:
+        argv = sys.argv[1:]
+
+    try:
+        args = build_parser().parse_args(argv)
+        if args.command in ATTENTION_ON_CODES:
+            # Our caches attend straight from their codes (same results up to float32 rounding, faster);
+            # other caches are untouched. Undone when the command returns.
+            with use_packed_attention():
+                return COMMANDS[args.command](args)
+        return COMMANDS[args.command](args)
+    except (CLIError, ValueError, TypeError, OSError, ModelPackageMissing, CorpusMissing) as e:
+        msg = str(e)
+        print(msg if msg.startswith("veloxquant") else f"veloxquant: error: {msg}", file=sys.stderr)
+        return e.code if isinstance(e, CLIError) else 1
+    except SystemExit as e:  # argparse --help
+        return int(e.code or 0)
+    except KeyboardInterrupt:
+        print("veloxquant: interrupted", file=sys.stderr)
+        return 130
+
+
+def exit_process(code: int) -> None:
+    """End a real process after a command: flush, then ``os._exit``.
+
+    After ``veloxquant serve`` has stopped every thread it started, mlx_lm's generation thread leaves a
+    thread-local MLX stream behind whose C++ worker is destroyed at interpreter exit, which aborts the process
+    ("terminate called without an active exception") about one run in three; everything is closed by then, so
+    the process ends without running those destructors.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
