@@ -151,10 +151,21 @@ OURS = {
     **{f"kbs8-k4v4-s1-L5k{'-'.join(map(str, layers))}": dict(
         k_bits=[5 if i in layers else 4 for i in range(30)], v_bits=4, codec="kblock_vsym8", group_size=128,
         trim_headroom=0, center_keys=False, center_values=False, sink=1) for layers in ((1, 16), (0, 1, 16, 19))},
-    # Issue 47's tail levers on the budget presets (tq-Nb = "-pt1"): "-exact" = waiting tokens exact (float32 here,
+    # Issue 47's tail levers on the budget presets (tq-Nb = "-ptc1"): "-exact" = waiting tokens exact (float32 here,
     # the layout before issue 47); "-ptE" = waiting keys provisionally coded at b + E bits, values coded on arrival.
-    **{f"tq{b}-exact": _budget_variant(b, codec="kblock_vsym8") for b in (4, 3, 2)},
-    **{f"tq{b}-pt{e}": _budget_variant(b, codec=_tail_layout(e)) for b in (4, 3, 2) for e in (0, 1, 2)},
+    **{f"tq{b}-exact": _budget_variant(b, codec="kblock_vsym8", center_keys=False) for b in (4, 3, 2)},
+    **{f"tq{b}-pt{e}": _budget_variant(b, codec=_tail_layout(e), center_keys=False) for b in (4, 3, 2)
+       for e in (0, 1, 2)},
+    # "-ptcE": the same, the provisional keys centred on each sequence's key mean (fitted on its first tokens).
+    **{f"tq{b}-ptc{e}": _budget_variant(b, codec=_tail_layout(e), center_keys=True) for b in (4, 3, 2)
+       for e in (0, 1, 2)},
+    # A recent window inside the budget, its best case: values one bit coarser than the keys, the waiting tokens
+    # exact (an 8-bit window costs ~0.5 bit at 2048: K4/V3 + 8-bit window = 3.96 bits, K3/V2 = 3.02); or keys one
+    # bit coarser.
+    **{f"tq{b}-exact-v{b - 1}": _budget_variant(b, codec="kblock_vsym8", center_keys=False, v_bits=b - 1)
+       for b in (4, 3)},
+    **{f"tq{b}-exact-k{b - 1}": _budget_variant(b, codec="kblock_vsym8", center_keys=False, k_bits=b - 1)
+       for b in (4, 3)},
     # The seed's cache: two b-bit RVQ key streams, float16 values.
     "seed-rvq-b1": dict(kind="rvq", k_bits=1),
     "seed-rvq-b2": dict(kind="rvq", k_bits=2),

@@ -54,19 +54,33 @@ def column(values: Sequence[int]) -> mx.array:
 class TailCoder:
     """How a block layout stores the tokens waiting for their key block (`CodedTail`'s coder): keys as the key
     codec's provisional per-token codes (``tail_codec()``), values as the value codec's own codes (they move into
-    the value store unchanged when their block is coded). Raw fields ``k_<field>`` / ``v_<field>``."""
+    the value store unchanged when their block is coded). Raw fields ``k_<field>`` / ``v_<field>``.
 
-    def __init__(self, k_codec, v_codec):
+    Centred block keys (``center_keys``) centre the provisional codes on the same fitted mean: the coder is then
+    bound to the rows' folded key codec (`bound`, ``(B*H, d)`` means: the batch is folded into the heads to code),
+    and each row fits on arrival (`Rows.append`), before any of its tokens is stored."""
+
+    def __init__(self, k_codec, v_codec, key_codec=None):
         self.k, self.v = k_codec, v_codec
+        self.key_codec = key_codec  # the block key codec whose fitted mean centres the provisional keys (or None)
+
+    @property
+    def centred(self) -> bool:
+        return self.k.center
+
+    def bound(self, key_codec) -> "TailCoder":
+        """This coder with the provisional keys centred on ``key_codec``'s fitted mean (folded over rows)."""
+        return TailCoder(key_codec.tail_codec(), self.v, key_codec)
 
     @staticmethod
     def for_codecs(options, base) -> Optional["TailCoder"]:
         """The coder of a layout that declares one (a key codec with ``tail_codec``, a value codec with
-        ``codes_tail``), when nothing is fitted and no exact window is asked for; else None (an exact tail)."""
+        ``codes_tail``), when nothing but the keys' mean is fitted and no exact window is asked for; else None
+        (an exact tail)."""
         k, v = base
         if not (hasattr(k, "tail_codec") and getattr(v, "codes_tail", False)) or options.recent:
             return None
-        if k.blank_fitted(1) or v.blank_fitted(1):
+        if set(k.blank_fitted(1)) - {"mean"} or v.blank_fitted(1):
             return None
         return TailCoder(k.tail_codec(), v)
 
@@ -79,13 +93,32 @@ class TailCoder:
         return ({f[2:]: a for f, a in raw.items() if f.startswith("k_")},
                 {f[2:]: a for f, a in raw.items() if f.startswith("v_")})
 
+    def _folds(self, x: mx.array) -> bool:
+        """Whether ``(B, H, ...)`` arrays go through the key codec folded ``(1, B*H, ...)`` (per-row means)."""
+        mean = self.k.mean if self.centred else None
+        return mean is not None and x.shape[0] > 1 and mean.shape[0] == x.shape[0] * x.shape[1]
+
     def encode(self, chunk: Dict[str, mx.array]) -> Dict[str, mx.array]:
-        return {**{"k_" + f: a for f, a in self.k.encode(chunk["k"]).items()},
+        k = chunk["k"]
+        if self._folds(k):
+            B, H = k.shape[:2]
+            k_codes = {f: a.reshape((B, H) + a.shape[2:])
+                       for f, a in self.k.encode(k.reshape((1, B * H) + k.shape[2:])).items()}
+        else:
+            k_codes = self.k.encode(k)
+        return {**{"k_" + f: a for f, a in k_codes.items()},
                 **{"v_" + f: a for f, a in self.v.encode(chunk["v"]).items()}}
 
     def decode(self, raw: Dict[str, mx.array], dtypes) -> Dict[str, mx.array]:
         k, v = self.split(raw)
-        return {"k": self.k.decode(k, dtypes["k"]), "v": self.v.decode(v, dtypes["v"])}
+        first = next(iter(k.values()))
+        if self._folds(first):
+            B, H = first.shape[:2]
+            keys = self.k.decode({f: a.reshape((1, B * H) + a.shape[2:]) for f, a in k.items()}, dtypes["k"])
+            keys = keys.reshape((B, H) + keys.shape[2:])
+        else:
+            keys = self.k.decode(k, dtypes["k"])
+        return {"k": keys, "v": self.v.decode(v, dtypes["v"])}
 
 
 # -- what a codec declares, read once per configuration ------------------------------------------------------
@@ -243,6 +276,24 @@ class Rows:
         self.k_codec = self.v_codec = None  # fitted parameters of every row, folded ``(B*H, ...)``
 
     @property
+    def k_codec(self):
+        return self._k_codec
+
+    @k_codec.setter
+    def k_codec(self, codec) -> None:
+        # a tail coded on the keys' fitted mean follows every change of it (fits, merges, restores)
+        self._k_codec = codec
+        coder = self.tail.coder
+        if codec is not None and coder is not None and coder.centred and coder.key_codec is not codec:
+            self.tail.coder = coder.bound(codec)
+
+    @property
+    def fits_on_arrival(self) -> bool:
+        """Whether rows fit before their first token is stored (a tail coded on the fitted key mean)."""
+        coder = self.tail.coder
+        return coder is not None and coder.centred
+
+    @property
     def block(self) -> int:
         return self.base[0].token_block if self.base is not None else 1
 
@@ -298,6 +349,10 @@ class Rows:
         H = self.heads
         return self.base[which].with_fitted({n: a[i * H:(i + 1) * H] for n, a in folded.fitted_arrays().items()})
 
+    def _tail_key_codec(self, i: int):
+        """The codec of row ``i``'s provisional keys (its own fitted mean, when the tail is centred on it)."""
+        return self.row_codec(0, i).tail_codec() if self.fits_on_arrival else self.tail.coder.k
+
     def _fit_row(self, i: int, k: mx.array, v: mx.array) -> None:
         """Fit row ``i``'s codecs on its tokens ``(1, H, n, d)`` (what the sequence alone fits on)."""
         H = self.heads
@@ -324,7 +379,8 @@ class Rows:
             self.setup(keys.shape[-1], values.shape[-1], keys.shape[1])
         o = self.options
         if lead is None and T == 1 and self.code_step > 1 and self.B and min(self.sink_n) >= o.sink \
-                and not self.window and (self.block > 1 or all(self.fitted)):  # (per-token codecs fit on arrival)
+                and not self.window and ((self.block > 1 and not self.fits_on_arrival) or all(self.fitted)):
+            # (per-token codecs, and a tail coded on the keys' mean, fit on arrival)
             # A decode step (~30 per token): every row's one token joins its tail, without the bookkeeping below.
             if self.B > 1 and self.tail.length == self.tail.capacity:
                 self.drop_tail_padding()  # (deferred by `_code_tail`: the copy a full store makes anyway)
@@ -342,6 +398,11 @@ class Rows:
         if any(s):
             self._fill_sink(keys, values, lead, s)
         rest = [r - x for r, x in zip(real, s)]
+        if self.fits_on_arrival:  # a row's first tail tokens fit its codecs before they are coded
+            for i in range(self.B):
+                if rest[i] and not self.fitted[i]:
+                    lo = lead[i] + s[i]
+                    self._fit_row(i, keys[i:i + 1, :, lo:lo + rest[i]], values[i:i + 1, :, lo:lo + rest[i]])
         self._append_tail(keys, values, lead, real, rest)
         self._code_tail()
         self.lengths = [n + r for n, r in zip(self.lengths, real)]
@@ -412,7 +473,7 @@ class Rows:
                 else:  # keys: the block coded from the provisional codes; values: their codes as they are
                     k, v = coder.split({n: a[sl] for n, a in view.items()})
                     self.k_codes.write_row(i, self.coded[i], self.row_codec(0, i).encode(
-                        coder.k.decode(k, mx.float32)), self.B)
+                        self._tail_key_codec(i).decode(k, mx.float32)), self.B)
                     self.v_codes.write_row(i, self.coded[i], v, self.B)
         self.coded = [c + n for c, n in zip(self.coded, n_code)]
         self.tail_n = [t - n for t, n in zip(self.tail_n, n_code)]
@@ -623,7 +684,8 @@ class Rows:
                 raw = {n: a[:, :, L - self.tail_n[i]:L] if one else a[i:i + 1, :, L - self.tail_n[i]:L]
                        for n, a in self.tail.raw.buffers.items()}
                 ks, vs = coder.split(raw)
-                memo = ((L, self.tail_n[i], store.writes), store, CodedPart(coder.k, ks, coder.v, vs))
+                memo = ((L, self.tail_n[i], store.writes), store,
+                        CodedPart(self._tail_key_codec(i), ks, coder.v, vs))
                 self._tail_parts = {**getattr(self, "_tail_parts", {}), i: memo}
             parts.append(memo[2])
         elif self.tail_n[i]:

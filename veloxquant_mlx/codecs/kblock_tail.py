@@ -42,13 +42,18 @@ class TailedBlockKeyCodec(AffineBlockKVMSECodec):
     TAIL_EXTRA_BITS = TAIL_EXTRA_BITS
 
     def tail_codec(self) -> ProvisionalKeyCodec:
-        """The codec of this layer's waiting keys (same rotation as the blocks: seed and kind; no centring)."""
-        hit = getattr(self, "_tail_codec", None)
-        if hit is None:
-            hit = self._tail_codec = ProvisionalKeyCodec(
-                self.d, provisional_bits(self.bits, self.TAIL_EXTRA_BITS), seed=self.seed,
-                rotation=self.rotation_kind, center=False)
-        return hit
+        """The codec of this layer's waiting keys: the blocks' rotation (seed and kind) and, when the blocks are
+        centred, their fitted per-head mean (``(H, d)``, or ``(B*H, d)`` folded): per-token codes of centred keys
+        spend their levels on what varies between tokens, not on the channels' common offset (2-2.4x lower
+        squared error at the same bits on SmolLM2's keys in most layers)."""
+        hit = getattr(self, "_tail_codec", None)  # (mean, codec): `with_fitted` copies attributes, so check it
+        if hit is None or hit[0] is not self.mean:
+            codec = ProvisionalKeyCodec(self.d, provisional_bits(self.bits, self.TAIL_EXTRA_BITS), seed=self.seed,
+                                        rotation=self.rotation_kind, center=self.center)
+            if self.mean is not None:
+                codec = codec.with_fitted({"mean": self.mean})
+            hit = self._tail_codec = (self.mean, codec)
+        return hit[1]
 
 
 class TailedSymValueCodec(AffineSymLogScaleValueCodec):
