@@ -1,6 +1,6 @@
 """Per-rank KV bytes per token and decode speed of SmolLM2 with compressed caches on 1, 2 and 3 ranks.
 
-    python benchmarks/distributed.py [--ranks 1,2,3] [--method tq-affine-k8v8] [--prompt 1024] [--decode 32]
+    python benchmarks/distributed.py [--ranks 1,2,3] [--preset tq-affine-k8v8] [--prompt 1024] [--decode 32]
 
 Each row is one ``mlx.launch -n N --backend ring`` on this machine (loopback): every rank loads the model, keeps
 its share of the KV heads (tensor parallel, ``veloxquant_mlx.distributed.shard``), `enable`s the compressed
@@ -18,6 +18,8 @@ import subprocess
 import sys
 import time
 
+import _common
+
 HERE = os.path.abspath(__file__)
 
 
@@ -34,7 +36,7 @@ def worker(args) -> int:
     group = mx.distributed.init()
     model, tok = load_model("smollm2")
     shard(model, group)
-    vq.enable(model, resolve_spec(args.method).options)
+    vq.enable(model, resolve_spec(args.preset).options)
     cache = make_prompt_cache(model)
     prompt = mx.array([corpus_tokens(tok)[: args.prompt]])
     t0 = time.perf_counter()
@@ -53,19 +55,19 @@ def worker(args) -> int:
     row = {"rank": group.rank(), "ranks": group.size(), "kv_heads": local_kv_heads(model), "tokens": n,
            "kv_bytes": sum(c.nbytes for c in cache), "kv_bytes_per_token": sum(c.live_nbytes for c in cache) / n,
            "prefill_tokens_per_s": args.prompt / prefill_s, "decode_tokens_per_s": args.decode / decode_s}
-    with open(os.path.join(args.out_dir, f"rank{group.rank()}.json"), "w") as f:
-        json.dump(row, f)
+    _common.write_json(os.path.join(args.out_dir, f"rank{group.rank()}.json"), row, indent=None, quiet=True)
     vq.disable(model)
     return 0
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _common.parser(__doc__)
     ap.add_argument("--ranks", default="1,3", help="SmolLM2 has 3 KV heads: 2 ranks cannot split them")
-    ap.add_argument("--method", default="tq-affine-k8v8")
+    ap.add_argument("--preset", "--method", dest="preset", default="tq-affine-k8v8",
+                    help="the preset to run (--method: its old name)")
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--decode", type=int, default=32)
-    ap.add_argument("--out", default="results/distributed.json")
+    _common.add_out(ap, "results/distributed.json")
     ap.add_argument("--worker", metavar="OUT_DIR", dest="out_dir", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.out_dir:
@@ -75,7 +77,7 @@ def main(argv=None) -> int:
     results = []
     for n in [int(x) for x in args.ranks.split(",")]:
         with tempfile.TemporaryDirectory() as tmp:
-            cmd = [HERE, "--method", args.method, "--prompt", str(args.prompt), "--decode", str(args.decode),
+            cmd = [HERE, "--preset", args.preset, "--prompt", str(args.prompt), "--decode", str(args.decode),
                    "--worker", tmp]
             # one rank: a plain process (mlx.launch's ring needs two or more)
             cmd = [sys.executable, *cmd] if n == 1 else ["mlx.launch", "-n", str(n), "--backend", "ring", "--python",
@@ -84,20 +86,17 @@ def main(argv=None) -> int:
             subprocess.run(cmd, check=True, timeout=1800, capture_output=True)
             ranks = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(n)]
             results.append({"ranks": n, "launch_s": time.perf_counter() - t0, "per_rank": ranks})
-    print(f"SmolLM2-135M, {args.method}, {args.prompt}-token prompt + {args.decode} decoded, ring backend on loopback "
+    print(f"SmolLM2-135M, {args.preset}, {args.prompt}-token prompt + {args.decode} decoded, ring backend on loopback "
           "(all ranks on this machine's cores)")
-    print("| ranks | KV heads per rank | KV bytes/token per rank | KV bytes/token, all ranks | prefill tok/s | "
-          "decode tok/s |")
-    print("|---|---|---|---|---|---|")
-    for r in results:
-        per = r["per_rank"]
-        print(f"| {r['ranks']} | {per[0]['kv_heads']} | {per[0]['kv_bytes_per_token']:.0f} | "
-              f"{sum(p['kv_bytes_per_token'] for p in per):.0f} | {per[0]['prefill_tokens_per_s']:.1f} | "
-              f"{per[0]['decode_tokens_per_s']:.2f} |")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"method": args.method, "prompt": args.prompt, "decode": args.decode, "runs": results}, f, indent=1)
-    print(f"wrote {args.out}")
+    head = ["ranks", "KV heads per rank", "KV bytes/token per rank", "KV bytes/token, all ranks", "prefill tok/s",
+            "decode tok/s"]
+    print(_common.markdown_table(head, [
+        [r["ranks"], r["per_rank"][0]["kv_heads"], f"{r['per_rank'][0]['kv_bytes_per_token']:.0f}",
+         f"{sum(p['kv_bytes_per_token'] for p in r['per_rank']):.0f}",
+         f"{r['per_rank'][0]['prefill_tokens_per_s']:.1f}", f"{r['per_rank'][0]['decode_tokens_per_s']:.2f}"]
+        for r in results]))
+    _common.write_json(args.out, {"method": args.preset, "prompt": args.prompt, "decode": args.decode,
+                                  "runs": results})
     return 0
 
 

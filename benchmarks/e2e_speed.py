@@ -85,7 +85,6 @@ pipelining kept, unpaired: one config after the other).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import math
@@ -95,6 +94,9 @@ import statistics
 import sys
 import time
 import warnings
+
+import _common
+from _common import machine, prefill, registered
 
 CONFIGS = ("kv", "mlx-q4", "tq-block4-hook", "tq-block84-hook", "tq-block8-hook", "tq-affine4-hook", "tq-lm4-hook",
            "tq-lm4")
@@ -111,46 +113,24 @@ OURS = {
 LOOPS = ("step", "mlx_lm")
 
 
-def registered(name):
-    """The registered TurboQuant method called ``name``, or None."""
-    from veloxquant_mlx.eval.specs import compressed_specs
-
-    return next((s for s in compressed_specs() if s.name == name), None)
-
-
 def make_cache(name, model):
-    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+    """`_common.make_cache` (a registered method, ``kv``, ``mlx-q4``) and the configs of `OURS`."""
+    if name in OURS and registered(name) is None:
+        import veloxquant_mlx as vq
 
-    import veloxquant_mlx as vq
-
-    spec = registered(name)
-    if spec is not None:
-        return spec.make_cache(model)
-
-    if name == "kv":
-        return [KVCache() for _ in model.layers]
-    if name == "mlx-q4":
-        return [QuantizedKVCache(group_size=64, bits=4) for _ in model.layers]
-    codec, k_bits, v_bits = OURS[name]
-    return vq.make_prompt_cache(model, k_bits=k_bits, v_bits=v_bits, codec=codec,
-                                route_attention=name.endswith("-hook"))
+        codec, k_bits, v_bits = OURS[name]
+        return vq.make_prompt_cache(model, k_bits=k_bits, v_bits=v_bits, codec=codec,
+                                    route_attention=name.endswith("-hook"))
+    return _common.make_cache(name, model)
 
 
 def context_for(name):
-    from veloxquant_mlx.integration import use_packed_attention
+    """`_common.context_for`; the ``-hook`` configs of `OURS` run inside ``use_packed_attention()`` too."""
+    if name.endswith("-hook"):
+        from veloxquant_mlx.integration import use_packed_attention
 
-    hooked = name.endswith("-hook") or registered(name) is not None
-    return use_packed_attention() if hooked else contextlib.nullcontext()
-
-
-def prefill(model, cache, prompt, chunk):
-    """Feed ``prompt`` (1, L) in chunks; returns the last logits (1, V), evaluated."""
-    import mlx.core as mx
-
-    for start in range(0, prompt.shape[1], chunk):
-        logits = model(prompt[:, start : start + chunk], cache=cache)[:, -1]
-        mx.eval(logits)
-    return logits
+        return use_packed_attention()
+    return _common.context_for(name)
 
 
 def interleaved_prefill(model, caches, prompt, chunk, rng):
@@ -196,19 +176,6 @@ def fill_from(cache, plain_cache):
         q = mx.zeros((keys.shape[0], keys.shape[1], 1, keys.shape[-1]), keys.dtype)  # one query per KV head
         mx.eval(mlx_base.scaled_dot_product_attention(q, k, v, cache=c, scale=keys.shape[-1] ** -0.5, mask=None))
         mx.eval(c.state)
-
-
-def machine() -> str:
-    """The CPU model and core count (what a speed ratio depends on; say it beside every figure)."""
-    import platform
-
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} cores, {platform.system()}"
 
 
 def _num(x, width: int, digits: int, div: float = 1.0) -> str:
@@ -667,7 +634,7 @@ def run_gen_free(model, prompt, configs, make, args, label):
 
 
 def main(argv=None):
-    from veloxquant_mlx.blas import ensure_openblas, loaded_blas as blas_name
+    from veloxquant_mlx.blas import ensure_openblas
 
     ensure_openblas()  # before mlx is imported: re-executes with OpenBLAS preloaded
 
@@ -676,9 +643,9 @@ def main(argv=None):
     from veloxquant_mlx.eval import corpus_tokens
     from veloxquant_mlx.models.loader import load_model
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--prompt", type=_int_list, default=[4096],
+    ap = _common.parser(__doc__)
+    _common.add_model(ap)
+    ap.add_argument("--prompt", type=_common.positive_ints, default=[4096],
                     help="prompt tokens (context for decode); --shape takes a comma list, e.g. 4096,8192")
     ap.add_argument("--chunk", type=int, default=256, help="prefill chunk size")
     ap.add_argument("--decode", type=int, default=None, help="decode tokens per pass / steps per round (default "
@@ -693,8 +660,8 @@ def main(argv=None):
                          "(paired prefill ratios that a drift of the machine's speed does not bias; no peak); "
                          "plain: only kv prefills, every other cache is filled with its keys/values (decode speed "
                          "only)")
-    ap.add_argument("--out", default=None, help="JSON written (default results/e2e_speed.json; --shape: "
-                    "results/e2e_shapes.json; --gen: results/e2e_gen.json)")
+    _common.add_out(ap, help="JSON written (default results/e2e_speed.json; --shape: results/e2e_shapes.json; "
+                    "--gen: results/e2e_gen.json)")
     ap.add_argument("--shape", default=None,
                     help="comma list of real models' per-layer shapes with random weights (benchmarks/_shapes.py: "
                          "smollm2-135m, llama-3.2-1b, qwen2.5-1.5b, qwen3-4b, mistral-7b, gemma-3-1b, phi-3-mini) or "
@@ -713,7 +680,7 @@ def main(argv=None):
                     help="--gen: free-running generate_step calls (its pipelining kept), the configs one after another "
                          "per repeat and length, each after a fresh prefill, instead of generators taking turns a "
                          "token each (unpaired: on a busy machine the spread is large)")
-    ap.add_argument("--gen", type=_int_list, default=None,
+    ap.add_argument("--gen", type=_common.positive_ints, default=None,
                     help="comma list of generation lengths, e.g. 16,24,48,256: per repeat, fresh caches prefilled "
                          "as generate_step does, then generate_step generators of every config taking turns a token "
                          "each; ratio over the first n tokens (the real --model, or each --shape)")
@@ -762,7 +729,7 @@ def main(argv=None):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
     from veloxquant_mlx.attention import kernel as attention_kernel
-    print(f"BLAS: {blas_name()}; machine: {machine()}; attention on codes: {attention_kernel.status()[1]}", flush=True)
+    print(f"{_common.environment()}; attention on codes: {attention_kernel.status()[1]}", flush=True)
     if args.fill == "plain":
         print("--fill plain is a DIAGNOSTIC mode (caches filled from the plain cache's keys, no real prefill): its "
               "ratios are not what users run; quote the default --fill prefill", flush=True)
@@ -852,7 +819,7 @@ def main(argv=None):
               "or peak for them)", end="")
     print(f"\nSmolLM2-135M, {args.prompt}-token prompt (chunks of {args.chunk}), decode {args.decode} tokens, "
           f"step: {args.repeats} x {args.decode} interleaved steps (1 / median); mlx_lm: median of {args.repeats} passes; "
-          f"peak over prefill + first mlx_lm pass; BLAS {blas_name()}; {machine()}")
+          f"peak over prefill + first mlx_lm pass; BLAS {_common.blas()}; {machine()}")
     head = f"{'config':16s} {'prefill tok/s':>13s} {'x kv':>6s}"
     for lp in loops:
         head += f" {'decode[' + lp + ']':>14s} {'x kv':>6s}"
@@ -865,25 +832,11 @@ def main(argv=None):
     if "step" in loops or chunk_times:
         print_paired(rows)
     out = {"model": args.model, "prompt": args.prompt, "chunk": args.chunk, "decode": args.decode, "fill": args.fill,
-           "repeats": args.repeats, "loops": loops, "blas": blas_name(), "machine": machine(),
+           "repeats": args.repeats, "loops": loops, "blas": _common.blas(), "machine": machine(),
            "attention_path": attention_kernel.status()[1], "kernel_calls": attention_kernel.calls(), "rows": rows}
     c = attention_kernel.calls()
     print(f"decode calls on the compiled kernel: {c['kernel']}; refused by it (run on the reference): {c['refused']}")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=2)
-    print(f"wrote {args.out}")
-
-
-def _int_list(text):
-    """``"4096,8192"`` -> ``[4096, 8192]`` (argparse type)."""
-    try:
-        out = [int(x) for x in str(text).split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {text!r}") from None
-    if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return out
+    _common.write_json(args.out, out, indent=2)
 
 
 def main_enabled(args):
@@ -892,9 +845,7 @@ def main_enabled(args):
 
     import veloxquant_mlx as vq
     from veloxquant_mlx.attention import kernel as attention_kernel
-    from veloxquant_mlx.blas import loaded_blas as blas_name
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from _shapes import build_shape_model, shape_names
 
     args.baselines = [c for c in args.baselines.split(",") if c]
@@ -916,14 +867,15 @@ def main_enabled(args):
     from veloxquant_mlx.options import DEFAULT_NAME
 
     preset_name = args.preset or DEFAULT_NAME
-    print(f"BLAS: {blas_name()}; machine: {machine()}; attention on codes: {attention_kernel.status()[1]}; "
+    print(f"{_common.environment()}; attention on codes: {attention_kernel.status()[1]}; "
           f"ours ('{OURS_LABEL}'): veloxquant_mlx.enable(model{', ' + repr(args.preset) if args.preset else ''}) = "
           f"{preset_name}", flush=True)
     if not attention_kernel.status()[0]:
         print("WARNING: attention on codes runs on the pure-MLX reference, not the compiled kernel users get (kernel "
               "calls are then not counted): these figures are not the product's", flush=True)
     print(f"veloxquant_mlx from {os.path.dirname(vq.__file__)}", flush=True)
-    result = {"mode": mode, "machine": machine(), "blas": blas_name(), "attention_path": attention_kernel.status()[1],
+    result = {"mode": mode, "machine": machine(), "blas": _common.blas(),
+              "attention_path": attention_kernel.status()[1],
               "ours": preset_name, "baselines": args.baselines, "chunk": args.chunk, "repeats": args.repeats,
               "decode": args.decode, "loops": args.loop_list, "seed": args.seed, "gen": args.gen_list,
               "command": " ".join(sys.argv), "shapes": [],
@@ -985,10 +937,8 @@ def main_enabled(args):
         vq.disable(model)
         result["shapes"].append(entry)
         del model
-        os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
-        with open(out_path, "w") as f:  # after every shape: a long run keeps what it measured
-            json.dump(result, f, indent=1)
-    print(f"\ntotal {time.perf_counter() - t_start:.0f} s; BLAS {blas_name()}; {machine()}; wrote {out_path}")
+        _common.write_json(out_path, result, quiet=True)  # after every shape: a long run keeps what it measured
+    print(f"\ntotal {time.perf_counter() - t_start:.0f} s; BLAS {_common.blas()}; {machine()}; wrote {out_path}")
 
 
 if __name__ == "__main__":

@@ -16,13 +16,12 @@ exact), for comparison:
 """
 from __future__ import annotations
 
-import argparse
 import gc
-import json
-import os
 import time
 
 from veloxquant_mlx.blas import ensure_openblas
+
+import _common
 
 ensure_openblas()
 
@@ -97,24 +96,22 @@ def print_bits(table: dict) -> None:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _common.parser(__doc__)
     ap.add_argument("--bits", action="store_true", help="only the bits table (no model run; see above)")
-    ap.add_argument("--model", default="smollm2")
+    _common.add_model(ap)
     ap.add_argument("--prompt", type=int, default=4096)
     ap.add_argument("--decode", type=int, default=100)
     ap.add_argument("--prefill-step", type=int, default=2048, help="mlx_lm's prefill_step_size")
     ap.add_argument("--caches", default="kv,mlx-q4,tq-k4v4,tq-k5v3-o8,tq-k4v2-o8")
-    ap.add_argument("--out", default="results/memory.json")
+    _common.add_out(ap, "results/memory.json")
     args = ap.parse_args(argv)
 
     if args.bits:
         table = bits_table()
         print("bits per coordinate, every stored byte (random tokens, 3 KV heads of 64; the sink's tokens counted)")
         print_bits(table)
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({n: {k: {str(x): y for x, y in v.items()} if isinstance(v, dict) else v for k, v in m.items()}
-                       for n, m in table.items()}, f, indent=1)
+        _common.write_json(args.out, {n: {k: {str(x): y for x, y in v.items()} if isinstance(v, dict) else v
+                                           for k, v in m.items()} for n, m in table.items()})
         return
 
     model, tokenizer = load_model(args.model)
@@ -135,9 +132,7 @@ def main(argv=None):
         ref = out["caches"]["mlx-q4"]["peak_bytes"]
         out["not_above_mlx_q4"] = {n: r["peak_bytes"] <= ref for n, r in out["caches"].items()}
         print("peak <= mlx-q4's:", out["not_above_mlx_q4"])
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
+    _common.write_json(args.out, out)
 
 
 if __name__ == "__main__":

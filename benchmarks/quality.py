@@ -18,13 +18,14 @@ float32, and our exact windows are float32 too, which the byte counts include).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
 
 from veloxquant_mlx.blas import ensure_openblas
+
+import _common
 
 ensure_openblas()
 
@@ -228,8 +229,8 @@ def pct(r):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2")
+    ap = _common.parser(__doc__)
+    _common.add_model(ap)
     ap.add_argument("--configs", default=DEFAULT, help="comma list of baseline, registered and OURS names")
     ap.add_argument("--corpora", default=",".join(CORPORA), help=f"comma list of {', '.join(CORPORA)}")
     ap.add_argument("--contexts", default="512,2048")
@@ -242,7 +243,7 @@ def main(argv=None):
     ap.add_argument("--calibration", default=None,
                     help="calibration file for the NAME+cal configs; made (the default calibration text) and saved "
                          "there when it does not exist")
-    ap.add_argument("--out", default="results/quality.json")
+    _common.add_out(ap, "results/quality.json")
     ap.add_argument("--markdown", default=None, help="also write the tables as markdown (BENCHMARKS.md section)")
     ap.add_argument("--plot", default=None, help="also write a PNG: Δppl and KL against bits per coordinate")
     ap.add_argument("--context-configs", default="", help="a subset of --configs at some contexts, e.g. "
@@ -506,9 +507,7 @@ def plot(results, path):
 
 
 def save(path, results):
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(results, f, indent=1)
+    _common.write_json(path, results, quiet=True)
 
 
 if __name__ == "__main__":

@@ -31,9 +31,8 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import _common
 
 QUESTIONS = [f"What is the capital of {c}?" for c in ("France", "Germany", "Japan", "Egypt", "Russia")] + [
     "Name a primary color.", "What is two plus two?", "Say hello in French.",
@@ -50,9 +49,9 @@ CONTEXT = (
 # (label, serve arguments): registered methods (`veloxquant methods`); tq-affine-k8v4 is what `enable` uses
 COMPRESSED = "tq-affine-k8v4"
 DEFAULT_CONFIGS = [
-    ("plain kv, batched", ["--method", "kv"]),
-    (f"{COMPRESSED}, batched", ["--method", COMPRESSED]),
-    (f"{COMPRESSED}, one at a time", ["--method", COMPRESSED, "--no-batching"]),
+    ("plain kv, batched", ["--preset", "kv"]),
+    (f"{COMPRESSED}, batched", ["--preset", COMPRESSED]),
+    (f"{COMPRESSED}, one at a time", ["--preset", COMPRESSED, "--no-batching"]),
 ]
 CAPACITY_CACHES = [("plain KVCache (model dtype)", "kv"), ("mlx-lm QuantizedKVCache 4-bit", "mlx-q4"),
                    (f"ours {COMPRESSED}", COMPRESSED), ("ours tq-affine-k4v4", "tq-affine-k4v4")]
@@ -96,7 +95,7 @@ class ServerProcess:
         from veloxquant_mlx.eval.specs import resolve_spec
         from veloxquant_mlx.server import probe_batching
 
-        method = serve_args[serve_args.index("--method") + 1]
+        method = serve_args[serve_args.index("--preset") + 1]
         make_cache = resolve_spec(method).make_cache
         self.footprint = measure_footprint(model, make_cache)
         self.batching = (False, "--no-batching") if "--no-batching" in serve_args else probe_batching(model, make_cache)
@@ -285,31 +284,28 @@ def _ratio_range(ratios) -> str:
 
 
 def _table(rows):
-    head = ("| config | clients | batched | ok/err | req/s | vs plain batched | per round: median [min, max] | tok/s "
-            "| p50 s | p95 s | cached/prompt tok |")
-    lines = [head, "|" + "---|" * 11]
+    head = ["config", "clients", "batched", "ok/err", "req/s", "vs plain batched", "per round: median [min, max]",
+            "tok/s", "p50 s", "p95 s", "cached/prompt tok"]
     plain = {r["concurrency"]: r["requests_per_s"] for r in rows if r["config"] == DEFAULT_CONFIGS[0][0]}
+    lines = []
     for r in sorted(rows, key=lambda r: (r["concurrency"], r["config"])):
         ratio = r["requests_per_s"] / plain[r["concurrency"]] if plain.get(r["concurrency"]) else float("nan")
-        lines.append(
-            f"| {r['config']} | {r['concurrency']} | {'yes' if r['batching'] else 'no'} | {r['requests_ok']}/"
-            f"{r['errors']} | {r['requests_per_s']:.2f} | {ratio:.2f}x | {_ratio_range(r['round_ratios'])} "
-            f"| {r['completion_tokens_per_s']:.1f} "
-            f"| {r['latency_p50_s'] or float('nan'):.2f} | {r['latency_p95_s'] or float('nan'):.2f} "
-            f"| {r['cached_prompt_tokens']}/{r['prompt_tokens']} |"
-        )
-    return "\n".join(lines)
+        lines.append([r["config"], r["concurrency"], "yes" if r["batching"] else "no",
+                      f"{r['requests_ok']}/{r['errors']}", f"{r['requests_per_s']:.2f}", f"{ratio:.2f}x",
+                      _ratio_range(r["round_ratios"]), f"{r['completion_tokens_per_s']:.1f}",
+                      f"{r['latency_p50_s'] or float('nan'):.2f}", f"{r['latency_p95_s'] or float('nan'):.2f}",
+                      f"{r['cached_prompt_tokens']}/{r['prompt_tokens']}"])
+    return _common.markdown_table(head, lines)
 
 
 def _capacity_table(rows, tokens: int, budget_gib: float):
     plain = rows[0]
-    lines = [f"| KV cache | batched | MiB per {tokens}-token sequence | sequences in {budget_gib:g} GiB "
-             "| sequences vs plain | bytes vs plain |", "|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['cache']} | {'yes' if r['batched'] else 'no'} | {r['bytes_per_sequence'] / 2**20:.1f} "
-                     f"| {r['sequences']} | {r['sequences'] / plain['sequences']:.2f}x "
-                     f"| {plain['bytes_per_sequence'] / r['bytes_per_sequence']:.2f}x smaller |")
-    return "\n".join(lines)
+    head = ["KV cache", "batched", f"MiB per {tokens}-token sequence", f"sequences in {budget_gib:g} GiB",
+            "sequences vs plain", "bytes vs plain"]
+    return _common.markdown_table(head, [
+        [r["cache"], "yes" if r["batched"] else "no", f"{r['bytes_per_sequence'] / 2**20:.1f}", r["sequences"],
+         f"{r['sequences'] / plain['sequences']:.2f}x",
+         f"{plain['bytes_per_sequence'] / r['bytes_per_sequence']:.2f}x smaller"] for r in rows])
 
 
 def main(argv=None) -> int:
@@ -319,8 +315,8 @@ def main(argv=None) -> int:
         ensure_openblas()
     except ImportError:
         pass
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="smollm2")
+    p = _common.parser(__doc__, brief=True)
+    _common.add_model(p)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16], help="client threads (levels)")
     p.add_argument("--min-requests", type=int, default=4, help="requests per cell at least (default 4)")
     p.add_argument("--requests-per-client", type=int, default=1, help="requests per client thread (default 1)")
@@ -338,7 +334,7 @@ def main(argv=None) -> int:
                         "`veloxquant serve` process each; measured: servers sharing a process slow each other unevenly")
     p.add_argument("--max-seconds", type=float, default=900.0, help="stop sending after this long in all")
     p.add_argument("--timeout", type=float, default=120.0, help="per-request timeout in seconds")
-    p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
+    _common.add_out(p, help="write the rows as JSON here")
     a = p.parse_args(argv)
     for name in ("min_requests", "requests_per_client", "max_tokens", "capacity_tokens", "rounds"):
         if getattr(a, name) < 1:
@@ -384,7 +380,7 @@ def main(argv=None) -> int:
     print()
     print(_capacity_table(cap, a.capacity_tokens, a.budget_gib))
     if a.out:
-        a.out.write_text(json.dumps({"load": rows, "cells": cells, "capacity": cap}, indent=2))
+        _common.write_json(a.out, {"load": rows, "cells": cells, "capacity": cap}, indent=2)
     return 0 if all(r["errors"] == 0 for r in rows) else 1
 
 

@@ -32,17 +32,15 @@ peak minus model minus KV at the same samples: the loop's own overhead, for scal
 
 Prints a table and writes JSON (``--out``). Exit code 1 when a check fails.
 
-    python benchmarks/soak.py --method tq-affine-k4v4 --tokens 10000 --out results/soak.json
+    python benchmarks/soak.py --preset tq-affine-k4v4 --tokens 10000 --out results/soak.json
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _common
 
 
 def _kv_bytes(cache):
@@ -135,9 +133,9 @@ def run(args) -> dict:
 
     model, tok = load_model(args.model)
     n_layers, kv_heads, head_dim = model_kv_shape(model)
-    spec = resolve_spec(args.method, args.bits, head_dim)
+    spec = resolve_spec(args.preset, args.bits, head_dim)
     if spec.bits is None:
-        raise SystemExit(f"--method {args.method!r} is not a compressed cache; choose a registered tq-* method")
+        raise SystemExit(f"--preset {args.preset!r} is not a compressed cache; choose a tq-* preset")
     fixed, bytes_per_token, ripple = config_line(spec.make_cache, kv_heads, head_dim, n_layers)
     model_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     ids = _chat_ids(tok, args.prompt)
@@ -193,15 +191,12 @@ def _print(r: dict) -> None:
           f"({r['n_layers']} layers x {r['kv_heads']} kv heads x head_dim {r['head_dim']})")
     head = ["generated", "in cache", "KV MiB (held)", "KV MiB (live)", "KV MiB (window max)", "line MiB", "on line",
             "peak-model MiB", "transient MiB", "peak-model / KV max", "peak ok"]
-    rows = [[str(s["generated"]), str(s["tokens_in_cache"]), f"{s['kv_bytes'] / mib:.2f}",
-             f"{s['kv_live_bytes'] / mib:.2f}", f"{s['kv_window_max_bytes'] / mib:.2f}", f"{s['config_line_bytes'] / mib:.2f}", "yes" if s["on_line"] else "NO",
-             f"{s['peak_minus_model'] / mib:.2f}", f"{s['transient_bytes'] / mib:.2f}", f"{s['peak_over_kv']:.3f}",
-             "yes" if s["peak_ok"] else "NO"]
+    rows = [[s["generated"], s["tokens_in_cache"], f"{s['kv_bytes'] / mib:.2f}", f"{s['kv_live_bytes'] / mib:.2f}",
+             f"{s['kv_window_max_bytes'] / mib:.2f}", f"{s['config_line_bytes'] / mib:.2f}",
+             "yes" if s["on_line"] else "NO", f"{s['peak_minus_model'] / mib:.2f}", f"{s['transient_bytes'] / mib:.2f}",
+             f"{s['peak_over_kv']:.3f}", "yes" if s["peak_ok"] else "NO"]
             for s in r["samples"]]
-    w = [max(len(h), *(len(x[i]) for x in rows)) for i, h in enumerate(head)]
-    print("  ".join(h.rjust(k) for h, k in zip(head, w)))
-    for x in rows:
-        print("  ".join(c.rjust(k) for c, k in zip(x, w)))
+    print(_common.aligned_table(head, rows))
     f, c = r["fit"], r["checks"]
     print(f"configuration line: {r['config_fixed_bytes'] / mib:.3f} MiB + {r['config_bytes_per_token']:.1f} B/token, "
           f"ripple {r['config_ripple_bytes'] / mib:.3f} MiB; every sample on it: {'yes' if c['linear'] else 'NO'}")
@@ -228,9 +223,10 @@ def main(argv=None) -> int:
         from veloxquant_mlx.blas import ensure_openblas
 
         ensure_openblas()
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--method", default="tq-affine-k4v4", help="a registered compressed method (veloxquant methods)")
+    p = _common.parser(__doc__, brief=True)
+    _common.add_model(p)
+    p.add_argument("--preset", "--method", dest="preset", default="tq-affine-k4v4",
+                   help="a compressed preset (veloxquant presets; --method: its old name)")
     p.add_argument("--bits", type=float, default=None)
     p.add_argument("--tokens", type=int, default=10_000)
     p.add_argument("--every", type=int, default=500)
@@ -240,7 +236,7 @@ def main(argv=None) -> int:
     p.add_argument("--peak-tol", type=float, default=0.10)
     p.add_argument("--reference-tokens", type=int, default=0,
                    help="also run this many tokens with mlx_lm's plain KVCache in the same loop (its own overhead)")
-    p.add_argument("--out", default=None, help="write the results as JSON")
+    _common.add_out(p, help="write the results as JSON")
     args = p.parse_args(argv)
     if args.tokens < 1 or args.every < 1 or args.reference_tokens < 0:
         p.error("--tokens and --every must be >= 1, --reference-tokens >= 0")
@@ -252,9 +248,7 @@ def main(argv=None) -> int:
     r = run(args)
     _print(r)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(r, f, indent=1)
-        print(f"wrote {args.out}")
+        _common.write_json(args.out, r)
     c = r["checks"]
     return 0 if c["slope_matches_config"] and c["linear"] and c["peak_within_tolerance_every_sample"] else 1
 

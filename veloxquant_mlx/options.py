@@ -2,10 +2,13 @@
 
 Everything a user can set on a packed cache lives here, is checked here once (`__post_init__`), and is what
 the builder, the caches, their saved state, the server, the CLI and the registry of named configurations
-read. The seed pages' `KVCacheConfig` maps onto it at the boundary (`from_kv_config`:
-``bit_width_inlier`` is ``k_bits``).
+read. The seed pages' `KVCacheConfig` maps onto it at one edge, `CacheOptions.from_kv_config` (``bit_width_inlier``
+is ``k_bits``), which `resolve_options` and the reader of old saved states call.
 
-`PRESETS` names every configuration the tools offer (``--method NAME``, `veloxquant_mlx.eval.specs`); `DEFAULT`
+The words (docs/usage.md, "Words"): a *preset* is a name for a `CacheOptions`; ``kind`` is the cache class (packed /
+rvq), ``codec`` the code layout, ``method`` the TurboQuant quantizer of the ``lloyd_max`` codec.
+
+`PRESETS` names every preset the tools offer (``--preset NAME``, `veloxquant_mlx.eval.specs`); `DEFAULT`
 (`DEFAULT_NAME`, ``tq-affine-k8v4``) is the one every entry point uses when given nothing: `enable(model)`,
 `make_prompt_cache(model)`, ``veloxquant generate`` and ``veloxquant serve``. `resolve_options` turns what a caller
 gave (a preset name, a `CacheOptions`, a `KVCacheConfig` or None, plus keyword options) into `CacheOptions`.
@@ -282,10 +285,10 @@ def adapted_reason(options: "CacheOptions", adapted: "CacheOptions", k_dim: int,
 
 
 # -- named presets and the default ---------------------------------------------------------------------------------
-# The TurboQuant configurations every tool offers (demo, generate, eval, methods, plan, serve): the one registry of
-# named configurations, each a `CacheOptions`. Every "tq-<method>-kNvM" / "tq-affine-kNvM" configuration keeps the
+# The presets every tool offers (demo, generate, eval, presets, plan, serve): the one registry of named
+# configurations, each a `CacheOptions`. Every "tq-<method>-kNvM" / "tq-affine-kNvM" configuration keeps the
 # first 4 tokens exact ("attention sinks"): on SmolLM2 this removed about a third of the KL at 4 bits
-# (benchmarks/probe_quality.py) and fixed garbled chat answers. "tq-affine": the TurboQuant rotation with MLX's
+# (benchmarks/probes/probe_quality.py) and fixed garbled chat answers. "tq-affine": the TurboQuant rotation with MLX's
 # affine codes instead of the Lloyd-Max codebook, keys per channel over 64-token blocks ("affine_block"): the fastest
 # attention on codes. 8-bit codes: MLX's CPU quantized matmul runs faster on byte-aligned codes, and keys carry most
 # of the attention error: near-lossless (decode speed against the plain cache: BENCHMARKS.md).
@@ -346,7 +349,7 @@ def preset(name: str) -> CacheOptions:
     try:
         return PRESETS[name]
     except KeyError:
-        raise ValueError(f"unknown configuration {name!r}; presets: {', '.join(PRESETS)}") from None
+        raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}") from None
 
 
 def resolve_options(config: Union[None, str, CacheOptions, KVCacheConfig] = None, **options: Any) -> CacheOptions:

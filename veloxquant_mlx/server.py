@@ -18,6 +18,7 @@ import signal
 import socket
 import sys
 import threading
+import warnings
 from dataclasses import dataclass
 from http.server import ThreadingHTTPServer
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -27,10 +28,11 @@ from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 from mlx_lm.models.cache import LRUPromptCache
 from mlx_lm.server import APIHandler, ModelProvider, ResponseGenerator, get_system_fingerprint
 
+from ._version import DEPRECATED_UNTIL
 from .distributed import rank_summary, shard
 from .eval.memory import measure_footprint
 from .calibration.file import Calibration
-from .eval.specs import method_names, resolve_spec, with_calibration
+from .eval.specs import preset_names, resolve_spec, unknown_preset, with_calibration
 from .integration import use_packed_attention
 from .models import ModelPackageMissing, load_model, max_context
 from .model_shape import vocab_size as model_vocab_size
@@ -40,7 +42,45 @@ from .server_requests import (CHAT_FIELDS, Limits, RequestError, _fail, _show, c
                               check_request, numeric_rules, parse_body, range_error)
 
 logger = logging.getLogger("veloxquant_mlx.server")
-DEFAULT_METHOD = DEFAULT_NAME  # the one default of every entry point (veloxquant_mlx.options)
+DEFAULT_PRESET = DEFAULT_NAME  # the one default of every entry point (veloxquant_mlx.options)
+DEFAULT_METHOD = DEFAULT_PRESET  # its old name (the --method it was the default of is now --preset)
+
+# The command line's old spellings -> their replacements (`veloxquant` and `veloxquant serve`): each still works
+# until DEPRECATED_UNTIL, with the package's other deprecated aliases (tests/apps/test_deprecated.py), and prints one
+# line on stderr naming its replacement. ``--method`` took a preset name, while `CacheOptions.method` is the
+# quantizer: one word per choice.
+DEPRECATED_FLAGS = {"--method": "--preset", "--methods": "--presets"}
+
+
+def deprecation_line(old: str, new: str) -> str:
+    """The one stderr line an old spelling prints."""
+    return f"veloxquant: warning: {old} is deprecated and will be removed in {DEPRECATED_UNTIL}; use {new}"
+
+
+class DeprecatedFlag(argparse.Action):
+    """An old option spelling (`DEPRECATED_FLAGS`): stores into its replacement's ``dest`` and prints one line on
+    stderr naming the replacement."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(deprecation_line(option_string, DEPRECATED_FLAGS[option_string]), file=sys.stderr, flush=True)
+        setattr(namespace, self.dest, values)
+
+
+def preset_argument(text: str) -> str:
+    """argparse ``type`` of ``--preset``: a name `resolve_spec` knows (argparse names the option in its error,
+    which lists the presets); a family's ``--bits`` is checked when the spec is resolved."""
+    if text not in preset_names():
+        raise argparse.ArgumentTypeError(unknown_preset(text))
+    return text
+
+
+def add_preset_argument(parser: argparse.ArgumentParser, help: str, **kwargs) -> argparse.ArgumentParser:
+    """``--preset NAME`` (dest ``preset``, default `DEFAULT_PRESET`) and its deprecated spelling ``--method``."""
+    kwargs.setdefault("default", DEFAULT_PRESET)
+    parser.add_argument("--preset", type=preset_argument, metavar="NAME", help=help, **kwargs)
+    parser.add_argument("--method", dest="preset", type=preset_argument, metavar="NAME", action=DeprecatedFlag,
+                        default=argparse.SUPPRESS, help=f"deprecated spelling of --preset (until {DEPRECATED_UNTIL})")
+    return parser
 
 
 def _bounded(kind: type, low=None, high=None) -> Callable[[str], Any]:
@@ -75,13 +115,13 @@ _MLX_OPTIONS = (
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The ``serve`` options: ours, then mlx_lm.server's that apply here."""
-    names = method_names()
     parser.add_argument("--model", default="smollm2", help="'smollm2' (embedded, default), a .gguf file "
                         "or an mlx_lm model directory")
-    parser.add_argument("--method", default=DEFAULT_METHOD, choices=names, metavar="NAME", help="KV cache of "
-                        f"every request (default {DEFAULT_METHOD}, the default of `enable(model)` too; see "
-                        f"`veloxquant methods`): {', '.join(names)}")
-    parser.add_argument("--bits", type=_bounded(float, 1, 16), default=None, help="bits, with a family --method")
+    add_preset_argument(parser, help=f"KV cache of every request: a preset (default {DEFAULT_PRESET}, the default of "
+                        f"`enable(model)` too; `veloxquant presets` lists them), mlx_lm's kv / mlx-q8 / mlx-q4 / "
+                        f"mlx-q2, or a family with --bits: {', '.join(preset_names())}")
+    parser.add_argument("--bits", type=_bounded(float, 1, 16), default=None,
+                        help="bits, with a family --preset (--preset tq-budget --bits 3 is tq-3b)")
     parser.add_argument("--calibration", metavar="FILE", help="a calibration of this model (`veloxquant "
                         "calibrate`): the caches use its channel weights")
     parser.add_argument("--no-batching", action="store_true", help="answer requests one after another")
@@ -240,10 +280,22 @@ class ServerHandle:
         self.stack.close()  # server socket, then the generation thread, then the attention hook
 
 
+def _preset_of(args: argparse.Namespace) -> str:
+    """``args.preset``; a namespace made by hand with the old ``method`` attribute still works until
+    DEPRECATED_UNTIL (a DeprecationWarning)."""
+    if hasattr(args, "preset"):
+        return args.preset
+    if hasattr(args, "method"):
+        warnings.warn(f"start_server(args) reads args.preset; args.method is deprecated and will be removed in "
+                      f"{DEPRECATED_UNTIL}", DeprecationWarning, stacklevel=3)
+        return args.method
+    return DEFAULT_PRESET
+
+
 def start_server(args: argparse.Namespace, *, model=None, tokenizer=None, port: Optional[int] = None,
                  background: bool = True) -> ServerHandle:
     """Load the model (unless given), measure its caches, serve them; ``port=0``: any free port (tests)."""
-    spec = resolve_spec(args.method, args.bits)  # a bad --method fails before the model loads
+    spec = resolve_spec(_preset_of(args), args.bits)  # a bad --preset / --bits fails before the model loads
     if model is None:
         model, tokenizer = load_model(args.model)
     context = max_context(model)  # max_position_embeddings or the like; None: the model does not say
@@ -266,7 +318,7 @@ def start_server(args: argparse.Namespace, *, model=None, tokenizer=None, port: 
     logger.info(f"KV cache size: {fp['bits_per_coordinate']:.2f} bits/coordinate, "
                 f"{fp['bytes_per_token_per_layer']:.1f} bytes/token/layer, {fp['bytes_per_token']:.0f} bytes/token "
                 f"over {fp['layers']} layers (plain KVCache {fp['plain_bytes_per_token']:.0f}: {ratio:.2f}x smaller), "
-                "measured as `veloxquant methods` measures")
+                "measured as `veloxquant presets` measures")
     logger.info(f"concurrent requests: {'batched' if batching[0] else 'answered one after another'} ({batching[1]})")
     # a wrapper's (qwen3_5, *_vl) vocab_size is in its text config; the tokenizer's size when no args state it
     vocab = model_vocab_size(model) or len(tokenizer.vocab)

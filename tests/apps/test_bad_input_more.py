@@ -2,7 +2,7 @@
 the argument and what it may be, never a crash inside MLX, a silent inf, or a stdlib message about something else.
 
 1. a damaged `EncodedVector` (fields replaced with ``dataclasses.replace``, as the seed's dataclass allowed, or
-   assigned) given to decode; 2. ``veloxquant methods`` / ``plan`` at a head dim some methods cannot take;
+   assigned) given to decode; 2. ``veloxquant presets`` / ``plan`` at a head dim some presets cannot take;
 3. a query whose batch axes do not match the codes in ``estimate_inner_product``; 4. keys near float16's maximum
 in the seed pages' caches; 5. ``max_tokens`` past the served model's context.
 """
@@ -99,7 +99,7 @@ def test_not_an_encoded_vector_is_a_type_error_naming_ev(name, bad):
             call()
 
 
-# --- 2. `veloxquant methods` / `plan` at head dims some methods cannot take -------------------------------------
+# --- 2. `veloxquant presets` / `plan` at head dims some presets cannot take -------------------------------------
 def _lines(err):
     assert "Traceback" not in err, err
     return [line for line in err.splitlines() if line.strip()]
@@ -109,7 +109,7 @@ def _lines(err):
 def test_methods_lists_what_a_head_dim_cannot_take(capsys, head_dim):
     from veloxquant_mlx.cli import main
 
-    assert main(["methods", "--head-dim", str(head_dim)]) == 0  # was MLX's "[quantize] ... group size 64"
+    assert main(["presets", "--head-dim", str(head_dim)]) == 0  # was MLX's "[quantize] ... group size 64"
     out, err = capsys.readouterr()
     rows = {line.split()[0]: line for line in out.splitlines() if line.split()}
     assert "n/a" not in rows["kv"] and "32.000" in rows["kv"]  # what applies is still measured
@@ -135,10 +135,10 @@ def test_methods_exits_nonzero_only_when_no_method_applies(capsys, monkeypatch):
     import veloxquant_mlx.cli as cli
 
     only_mlx_q = [s for s in cli.registered_specs() if s.family == "mlx-q"]
-    monkeypatch.setattr(cli.measure, "registered_specs", lambda head_dim=None: only_mlx_q)  # (read by `methods`)
-    assert cli.main(["methods", "--head-dim", "7"]) == 1
+    monkeypatch.setattr(cli.measure, "registered_specs", lambda head_dim=None: only_mlx_q)  # (read by `presets`)
+    assert cli.main(["presets", "--head-dim", "7"]) == 1
     (line,) = _lines(capsys.readouterr().err)
-    assert "--head-dim 7: no method applies" in line and "multiple of 64" in line
+    assert "--head-dim 7: no preset applies" in line and "multiple of 64" in line
 
 
 # --- 3. estimate_inner_product: a query whose batch axes do not match the codes --------------------------------
@@ -237,7 +237,7 @@ def test_server_refuses_max_tokens_past_a_context_only_config_json_states(tmp_pa
     monkeypatch.setattr(loader, "mlx_load", lambda path, return_config=False: (
         model, None, {"model_type": "llama", "max_position_embeddings": 256}))
     model, tokenizer = load_model(str(tmp_path))
-    args = vs.add_serve_arguments(argparse.ArgumentParser()).parse_args(["--method", "tq-mse-k4v4", "--max-tokens",
+    args = vs.add_serve_arguments(argparse.ArgumentParser()).parse_args(["--preset", "tq-mse-k4v4", "--max-tokens",
                                                                          "7"])
     handle = vs.start_server(args, model=model, tokenizer=tokenizer, port=0)
     try:

@@ -9,11 +9,16 @@ import sys
 
 import pytest
 
-from veloxquant_mlx.cli import main
+from veloxquant_mlx import server as vs
+from veloxquant_mlx._version import DEPRECATED_UNTIL
+from veloxquant_mlx.cli import build_parser, main
+from veloxquant_mlx.cli import measure as measure_mod
+from veloxquant_mlx.cli import run as run_mod
+from veloxquant_mlx.cli.common import CLIError
 from veloxquant_mlx.eval import registered_specs, resolve_spec
 from veloxquant_mlx.eval.memory import measure_bytes_per_token
 from veloxquant_mlx.models import loader as loader_mod
-from veloxquant_mlx.options import DEFAULT_NAME
+from veloxquant_mlx.options import DEFAULT_NAME, PRESETS, preset, resolve_options
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -51,7 +56,7 @@ def _packed(width, bits):
 
 
 # Bytes per token per layer of each registered configuration, 2 kv heads of d = 64, from its stored layout (the
-# marginal bytes over the last 256 of 2048 tokens after the sink; `methods` prints every stored byte there, the exact
+# marginal bytes over the last 256 of 2048 tokens after the sink; `presets` prints every stored byte there, the exact
 # sink tokens, the exact block tail and the fitted means included).
 H, D = 2, 64
 LAYOUT_BYTES = {
@@ -70,8 +75,8 @@ LAYOUT_BYTES = {
 }
 
 
-def test_methods_lists_measured_bytes(capsys):
-    assert main(["methods", "--head-dim", "64", "--kv-heads", "2"]) == 0
+def test_presets_lists_measured_bytes(capsys):
+    assert main(["presets", "--head-dim", "64", "--kv-heads", "2"]) == 0
     out = capsys.readouterr().out
     rows = {l.split()[0]: l.split() for l in out.splitlines() if l.split() and l.split()[0] in LAYOUT_BYTES}
     assert set(rows) == {s.name for s in registered_specs()} == set(LAYOUT_BYTES)
@@ -86,6 +91,101 @@ def test_methods_lists_measured_bytes(capsys):
         assert m["bits_per_coordinate"] == pytest.approx(8 * m["bytes_per_token_per_layer"] / (2 * H * D))
         # fixed state (sink tokens, tail, fitted means) only adds: never below the layout's bytes
         assert m["bytes_per_token_per_layer"] >= expected, name
+
+
+# --- one word per choice (issue 45, item 4): --preset / --presets / `presets` name presets; the old spellings
+# --method / --methods / `methods` still work until DEPRECATED_UNTIL and print one line on stderr naming the new one
+def _deprecation(old, new):
+    return f"veloxquant: warning: {old} is deprecated and will be removed in {DEPRECATED_UNTIL}; use {new}"
+
+
+# (command line without the flag, the new flag, the old flag, a value, the dest the command reads)
+PRESET_FLAGS = [
+    (["generate", "--prompt", "x"], "--preset", "--method", "tq-4b", "preset"),
+    (["generate", "--prompt", "x"], "--preset", "--method", "kv", "preset"),
+    (["serve"], "--preset", "--method", "tq-mse-k4v4", "preset"),
+    (["demo"], "--presets", "--methods", "kv,tq-4b", "presets"),
+    (["eval", "ppl"], "--presets", "--methods", "tq-affine-k8v4", "presets"),
+    (["eval", "needle"], "--presets", "--methods", "kv,mlx-q4", "presets"),
+    (["eval", "speed"], "--presets", "--methods", "tq-2b", "presets"),
+]
+
+
+@pytest.mark.parametrize("argv, new, old, value, dest", PRESET_FLAGS)
+def test_preset_flag_parses_what_method_did_and_method_warns_once(capsys, argv, new, old, value, dest):
+    args = build_parser().parse_args(argv + [new, value])
+    assert getattr(args, dest) == value and not hasattr(args, "method") and not hasattr(args, "methods")
+    assert capsys.readouterr().err == ""  # the new spelling: silent
+    old_args = build_parser().parse_args(argv + [old, value])
+    assert vars(old_args) == vars(args)  # the old spelling: the same namespace ...
+    assert capsys.readouterr().err.splitlines() == [_deprecation(old, new)]  # ... and one line naming the new one
+
+
+def _stop_at_load(monkeypatch, seen):
+    """The commands stop where they would load the model, recording what they were given."""
+    def load(args):
+        seen.append(args)
+        raise CLIError("stopped before loading the model")
+
+    def start_server(args, **kwargs):
+        seen.append(args)
+        raise ValueError("stopped before loading the model")
+
+    for module in (run_mod, measure_mod):
+        monkeypatch.setattr(module, "_load", load)
+    monkeypatch.setattr(vs, "start_server", start_server)
+
+
+@pytest.mark.parametrize("argv, new, old, value, dest", PRESET_FLAGS)
+def test_commands_run_with_preset_and_with_the_deprecated_method(capsys, monkeypatch, argv, new, old, value, dest):
+    seen = []
+    _stop_at_load(monkeypatch, seen)
+    for flag in (new, old):
+        assert main(argv + [flag, value]) in (1, 2)
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert "stopped before loading the model" in err[-1] and "Traceback" not in "".join(err)
+        assert err[:-1] == ([] if flag == new else [_deprecation(old, new)])
+    assert [getattr(a, dest) for a in seen] == [value, value]  # what the command read, both ways
+
+
+def test_presets_command_and_its_deprecated_name_methods(capsys):
+    assert main(["presets", "--head-dim", "64"]) == 0
+    new = capsys.readouterr()
+    assert new.err == "" and new.out.splitlines()[1].split()[0] == "preset"  # the table's heading
+    assert main(["methods", "--head-dim", "64"]) == 0
+    old = capsys.readouterr()
+    assert old.out == new.out and old.err.splitlines() == [_deprecation("`veloxquant methods`", "`veloxquant presets`")]
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["generate", "--prompt", "x", "--preset", "nope"], "--preset"),
+    (["generate", "--prompt", "x", "--method", "nope"], "--method"),
+    (["serve", "--preset", "nope"], "--preset"),
+    (["serve", "--method", "nope"], "--method"),
+    (["demo", "--presets", "kv,nope"], "--presets"),
+    (["eval", "ppl", "--presets", "nope"], "--presets"),
+    (["eval", "speed", "--methods", "nope"], "--methods"),
+])
+def test_unknown_preset_is_a_usage_error_naming_the_argument_and_the_presets(capsys, monkeypatch, argv, flag):
+    seen = []
+    _stop_at_load(monkeypatch, seen)
+    assert main(argv) == 2 and not seen  # refused while parsing, before any model loads
+    line = _one_line_error(capsys.readouterr().err)
+    assert f"argument {flag}: unknown preset 'nope'; presets: " in line, line
+    assert all(name in line for name in PRESETS) and "mlx_lm's caches: kv, mlx-q8" in line, line
+
+
+def test_a_family_without_bits_in_presets_names_its_presets(capsys):
+    assert main(["demo", "--presets", "tq-budget"]) == 2
+    line = _one_line_error(capsys.readouterr().err)
+    assert "argument --presets: 'tq-budget' is a family, not a preset: name its presets (tq-4b, tq-3b, tq-2b)" in line
+
+
+def test_unknown_preset_value_errors_name_the_presets():
+    for call in (lambda: resolve_spec("nope"), lambda: preset("nope"), lambda: resolve_options("nope")):
+        with pytest.raises(ValueError, match=r"unknown preset 'nope'; presets: tq-mse-k4v4, ") as e:
+            call()
+        assert all(name in str(e.value) for name in PRESETS)
 
 
 def test_plan_longest_context(capsys):
@@ -112,17 +212,15 @@ def test_plot_without_matplotlib(capsys, monkeypatch):
 
 
 @pytest.mark.model
-def test_unknown_method_and_too_long_context(smollm2, capsys):
-    rc = main(["generate", "--prompt", "x", "--method", "nope"])
-    assert rc == 1 and "unknown method 'nope'" in _one_line_error(capsys.readouterr().err)
+def test_too_long_context(smollm2, capsys):
     rc = main(["eval", "ppl", "--contexts", "9000", "--no-progress"])
     assert rc == 1 and "longer than the model allows (8192)" in _one_line_error(capsys.readouterr().err)
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("method", ["tq-affine-k8v8", "tq-mse-k4v4"])
-def test_generate_streams_answer(smollm2, capsys, attention_on_codes, method):
-    rc = main(["generate", "--prompt", "What is the capital of France?", "--max-tokens", "8", "--method", method])
+@pytest.mark.parametrize("preset", ["tq-affine-k8v8", "tq-mse-k4v4"])
+def test_generate_streams_answer(smollm2, capsys, attention_on_codes, preset):
+    rc = main(["generate", "--prompt", "What is the capital of France?", "--max-tokens", "8", "--preset", preset])
     assert rc == 0
     assert "Paris" in capsys.readouterr().out
     # the registered compressed cache answered with attention on its codes, in every layer at every step
@@ -139,7 +237,7 @@ def test_demo_small(smollm2, capsys, tmp_path, attention_on_codes):
     out = tmp_path / "demo.json"
     # context 96: past the 4 sink tokens, the 8-token trim headroom and one 64-token key block, so the
     # affine_block configuration really codes tokens (at 64 it would hold them all exact)
-    rc = main(["demo", "--context", "96", "--max-tokens", "4", "--methods", "kv," + ",".join(DEMO_KL),
+    rc = main(["demo", "--context", "96", "--max-tokens", "4", "--presets", "kv," + ",".join(DEMO_KL),
                "--no-progress", "--out", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
@@ -165,7 +263,7 @@ def test_calibrate_then_eval_and_generate_with_it(smollm2, capsys, tmp_path, att
     out = capsys.readouterr().out
     assert rc == 0 and cal.is_file() and "300 tokens of cal.txt" in out and f"--calibration {cal}" in out
     res = tmp_path / "eval.json"
-    rc = main(["eval", "ppl", "--methods", "tq-4b", "--contexts", "128", "--calibration", str(cal), "--no-progress",
+    rc = main(["eval", "ppl", "--presets", "tq-4b", "--contexts", "128", "--calibration", str(cal), "--no-progress",
                "--out", str(res)])
     assert rc == 0
     rows = json.loads(res.read_text())["ppl"]["128"]
@@ -178,7 +276,7 @@ def test_calibrate_then_eval_and_generate_with_it(smollm2, capsys, tmp_path, att
     bad.write_bytes(b"not a calibration")
     rc = main(["generate", "--prompt", "x", "--calibration", str(bad)])
     assert rc == 1 and "bad.safetensors" in _one_line_error(capsys.readouterr().err)
-    rc = main(["generate", "--prompt", "x", "--method", "kv", "--calibration", str(cal)])
+    rc = main(["generate", "--prompt", "x", "--preset", "kv", "--calibration", str(cal)])
     assert rc == 1 and "compressed" in _one_line_error(capsys.readouterr().err)
 
 

@@ -77,3 +77,39 @@ def test_aliases_expire_after_one_version():
         f"version {__version__} reached {vq.DEPRECATED_UNTIL}: remove the deprecated aliases {sorted(vq._DEPRECATED)}")
     assert _version(vq.DEPRECATED_UNTIL) <= _version(__version__)[:1] + (_version(__version__)[1] + 1, 0), (
         "a deprecated alias lives one minor version, no longer")
+
+
+# -- the old spellings of "preset" (issue 45, item 4): CLI flags, the `methods` command, the eval helpers -------------
+def test_cli_old_spellings_expire_with_the_aliases():
+    from veloxquant_mlx.cli.parser import DEPRECATED_COMMANDS
+    from veloxquant_mlx.server import DEPRECATED_FLAGS
+
+    assert set(DEPRECATED_FLAGS.items()) <= {("--method", "--preset"), ("--methods", "--presets")}
+    assert set(DEPRECATED_COMMANDS.items()) <= {("methods", "presets")}
+    assert _version(__version__) < _version(vq.DEPRECATED_UNTIL) or not (DEPRECATED_FLAGS or DEPRECATED_COMMANDS), (
+        f"version {__version__} reached {vq.DEPRECATED_UNTIL}: remove the old CLI spellings "
+        f"{sorted(DEPRECATED_FLAGS) + sorted(DEPRECATED_COMMANDS)} and method_names / resolve_spec(method=)")
+
+
+def test_eval_method_names_and_method_keyword_warn_and_work():
+    from veloxquant_mlx.eval import specs
+
+    with pytest.warns(DeprecationWarning, match=r"method_names is deprecated .* use .*specs\.preset_names"):
+        assert specs.method_names() == specs.preset_names()
+    with pytest.warns(DeprecationWarning, match=r"resolve_spec\(method=\.\.\.\) is deprecated"):
+        assert specs.resolve_spec(method="tq-4b") is not None
+    assert specs.resolve_spec(name="tq-4b").name == "tq-4b"
+    with pytest.raises(TypeError, match="once"):
+        specs.resolve_spec("tq-4b", method="tq-4b")
+
+
+def test_start_server_reads_an_old_namespace_with_a_warning(monkeypatch):
+    import argparse
+
+    from veloxquant_mlx import server as vs
+
+    with pytest.warns(DeprecationWarning, match="args.preset; args.method is deprecated"):
+        assert vs._preset_of(argparse.Namespace(method="tq-4b")) == "tq-4b"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        assert vs._preset_of(argparse.Namespace(preset="kv")) == "kv"

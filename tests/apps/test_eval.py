@@ -197,7 +197,7 @@ def test_spec_registry_and_resolution():
         "tq-affine", 8, "affine_block", 8, 8)
     with pytest.raises(ValueError, match="allowed: 2, 3, 4"):
         resolve_spec("turboquant_mse", 5)
-    with pytest.raises(ValueError, match="unknown method"):
+    with pytest.raises(ValueError, match="unknown preset"):
         resolve_spec("nope")
     with pytest.raises(ValueError, match="out of range"):
         resolve_spec("mlx-q", 3)

@@ -27,7 +27,7 @@ from veloxquant_mlx.attention import hook
 import veloxquant_mlx as vq
 from veloxquant_mlx.cache.packed_cache import TurboQuantBatchPackedCache
 from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache
-from veloxquant_mlx.eval.specs import method_names, resolve_spec
+from veloxquant_mlx.eval.specs import preset_names, resolve_spec
 from veloxquant_mlx.options import DEFAULT_NAME
 
 openai = pytest.importorskip("openai", reason="the `test` extra's openai client talks to the server as users do")
@@ -46,7 +46,7 @@ def serve():
     handles = []
 
     def start(model, tokenizer, *argv):
-        args = _parse("--method", METHOD, "--max-tokens", "64", *argv)
+        args = _parse("--preset", METHOD, "--max-tokens", "64", *argv)
         handles.append(vs.start_server(args, model=model, tokenizer=tokenizer, port=0))
         return handles[-1]
 
@@ -103,14 +103,14 @@ def _library_generate(model, tokenizer, prompt, cache):
 
 
 # ------------------------------------------------------------------------------------- arguments (no server)
-def test_arguments_take_registered_methods_and_mlx_lm_defaults():
+def test_arguments_take_registered_presets_and_mlx_lm_defaults():
     args = _parse()
-    assert (args.model, args.method, args.host, args.port, args.max_tokens) == (
+    assert (args.model, args.preset, args.host, args.port, args.max_tokens) == (
         "smollm2", DEFAULT_NAME, "127.0.0.1", 8080, 512)  # the one default (tests/mlx_lm/test_one_default.py)
     assert (args.temp, args.top_p, args.top_k, args.prompt_cache_size, args.allowed_origins) == (0.0, 1.0, 0, 10, ["*"])
-    for name in method_names():  # every registered name is offered; families need --bits
-        assert _parse("--method", name).method == name
-    for argv in (["--method", "nope"], ["--kv-bits", "4"], ["--port", "70000"]):
+    for name in preset_names():  # every registered name is offered; families need --bits
+        assert _parse("--preset", name).preset == name
+    for argv in (["--preset", "nope"], ["--method", "nope"], ["--kv-bits", "4"], ["--port", "70000"]):
         with pytest.raises(SystemExit):
             _parse(*argv)
 
@@ -118,8 +118,8 @@ def test_arguments_take_registered_methods_and_mlx_lm_defaults():
 @pytest.mark.parametrize("argv, named", [
     (["--port", "70000"], "--port"), (["--port", "0"], "--port"), (["--port", "-1"], "--port"),
     (["--port", "http"], "--port"), (["--temp", "nan"], "--temp"), (["--top-p", "2"], "--top-p"),
-    (["--max-tokens", "0"], "--max-tokens"), (["--method", "zip"], "--method"),
-    (["--method", "turboquant_mse"], "--bits"), (["--method", "turboquant_mse", "--bits", "5"], "bits"),
+    (["--max-tokens", "0"], "--max-tokens"), (["--preset", "zip"], "--preset"), (["--method", "zip"], "--method"),
+    (["--preset", "turboquant_mse"], "--bits"), (["--preset", "turboquant_mse", "--bits", "5"], "bits"),
 ])
 def test_bad_cli_values_fail_before_the_model_loads(argv, named, monkeypatch, capsys):
     def no_load(*a, **k):
@@ -295,7 +295,7 @@ def test_concurrent_requests_are_answered_correctly(serve, smollm2, on_codes):
     Served with the k8v4 block configuration: a batched forward pass differs from a single one in the last
     float bits (batched matmuls, plain caches too), and SmolLM2 with 4-bit Lloyd-Max codes amplifies that into
     another answer ("L'Étoile, la" for France, measured); tests/cache/test_batch_cache.py compares batched to alone."""
-    handle = serve(*smollm2, "--method", "tq-affine-k8v4")
+    handle = serve(*smollm2, "--preset", "tq-affine-k8v4")
     client = _client(handle)
     jobs = [(0, "France", False), (1, "Japan", False), (2, "France", True)]
     answers, errors = {}, []
@@ -336,7 +336,7 @@ def _free_port() -> int:
 
 def test_veloxquant_serve_command_logs_answers_and_stops_cleanly(smollm2):
     """``veloxquant serve`` in its own process: start-up log, one answer, a clean stop on SIGINT."""
-    cmd = [sys.executable, "-m", "veloxquant_mlx", "serve", "--port", str(_free_port()), "--method", METHOD,
+    cmd = [sys.executable, "-m", "veloxquant_mlx", "serve", "--port", str(_free_port()), "--preset", METHOD,
            "--max-tokens", str(MAX_TOKENS)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines, url = [], None

@@ -156,7 +156,7 @@ assert len(CASES) >= 40 and len({c[0] for c in CASES}) == len(CASES)
 @pytest.fixture(scope="module")
 def server(smollm2):
     model, tokenizer = smollm2
-    args = vs.add_serve_arguments(argparse.ArgumentParser()).parse_args(["--method", "tq-mse-k4v4", "--max-tokens", "7"])
+    args = vs.add_serve_arguments(argparse.ArgumentParser()).parse_args(["--preset", "tq-mse-k4v4", "--max-tokens", "7"])
     handle = vs.start_server(args, model=model, tokenizer=tokenizer, port=0)
     try:
         yield handle

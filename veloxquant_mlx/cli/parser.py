@@ -1,5 +1,10 @@
 """The command line: `build_parser` and the argparse types that check each value (a bad value is a usage error,
-exit code 2, before any work)."""
+exit code 2, before any work).
+
+One word per choice (docs/usage.md, "Words"): ``--preset NAME`` / ``--presets A,B`` name presets (and mlx_lm's own
+caches to compare against); ``veloxquant presets`` lists them. The old spellings ``--method``, ``--methods`` and
+``veloxquant methods`` work until 0.2.0 and print one deprecation line (`DEPRECATED_FLAGS`, `DEPRECATED_COMMANDS`).
+"""
 from __future__ import annotations
 
 import argparse
@@ -7,13 +12,18 @@ import math
 from typing import List
 
 from ..eval.corpus import CORPORA, DEFAULT_CORPUS
+from .._version import DEPRECATED_UNTIL
+from ..eval.specs import preset_names, registered_specs, resolve_spec
 from ..options import DEFAULT_NAME
-from ..server import add_serve_arguments
+from ..server import DEPRECATED_FLAGS, DeprecatedFlag, add_preset_argument, add_serve_arguments  # noqa: F401
 from .common import CLIError
 
 
 DEMO_PROMPT = "What is the capital of France?"
 MAX_BITS = 16
+# old command name -> its name now (a subparser alias: works until DEPRECATED_UNTIL and prints one deprecation line,
+# from `main`)
+DEPRECATED_COMMANDS = {"methods": "presets"}
 
 
 # ----------------------------------------------------------------------------- argument helpers
@@ -52,6 +62,25 @@ def _depths(s: str) -> List[float]:
     return out
 
 
+def _preset_list(text: str) -> str:
+    """``--presets``: 'all', or comma-separated names `resolve_spec` takes (each checked before any work; the error
+    names the presets)."""
+    if text.strip() == "all":
+        return text
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("no preset given: comma-separated presets, or 'all'")
+    for name in names:
+        try:
+            resolve_spec(name)
+        except ValueError as e:
+            if name in preset_names():  # a family: it needs --bits, which --presets does not take
+                members = ", ".join(spec.name for spec in registered_specs() if spec.family == name)
+                raise argparse.ArgumentTypeError(f"{name!r} is a family, not a preset: name its presets ({members})")
+            raise argparse.ArgumentTypeError(str(e))
+    return text
+
+
 def _bits(s: str) -> float:
     try:
         v = float(s)
@@ -86,27 +115,32 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--calibration", metavar="FILE", help=f"a calibration of this model (`veloxquant calibrate`): "
                                                              f"{what}")
 
-    def methods_opt(q):
-        q.add_argument("--methods", default="all", help="comma-separated method names, or 'all' (default)")
+    def presets_opt(q):
+        q.add_argument("--presets", default="all", type=_preset_list, metavar="NAMES",
+                       help="comma-separated presets (`veloxquant presets`; kv, mlx-q8/q4/q2: mlx_lm's own caches), "
+                            "or 'all' (default)")
+        q.add_argument("--methods", dest="presets", default=argparse.SUPPRESS, type=_preset_list, metavar="NAMES",
+                       action=DeprecatedFlag, help=f"deprecated spelling of --presets (until {DEPRECATED_UNTIL})")
 
-    d = sub.add_parser("demo", help="plain cache vs every registered method on the embedded model")
+    d = sub.add_parser("demo", help="the plain cache against every preset on the embedded model")
     model_opt(d)
-    methods_opt(d)
+    presets_opt(d)
     d.add_argument("--prompt", default=DEMO_PROMPT)
     d.add_argument("--context", type=_positive_int, default=513,
                    help="perplexity slice length (tokens; 513: the budget presets' exact first token and 4 whole blocks)")
     d.add_argument("--max-tokens", type=_positive_int, default=24)
     d.add_argument("--out", help="also write the results as JSON")
 
-    g = sub.add_parser("generate", help="stream a chat answer through one cache method (several prompts: batched)")
+    g = sub.add_parser("generate", help="stream a chat answer through one preset (several prompts: batched)")
     model_opt(g)
     g.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for several (generated batched)")
     g.add_argument("--prompts-file", help="a text file with one prompt per line (added to any --prompt)")
-    g.add_argument("--method", default=DEFAULT_NAME,
-                   help=f"the KV cache: default {DEFAULT_NAME} (the default of `enable(model)` and `serve` too); "
-                        "kv/fp16 for mlx_lm's plain cache, mlx-q8/q4/q2, any name of `veloxquant methods`, a family "
-                        "with --bits")
-    g.add_argument("--bits", type=_bits, default=None)
+    add_preset_argument(g, default=DEFAULT_NAME,
+                        help=f"the KV cache: a preset (`veloxquant presets`; default {DEFAULT_NAME}, the default of "
+                             "`enable(model)` and `serve` too), kv (or fp16) for mlx_lm's plain cache, mlx-q8/q4/q2, "
+                             "or a family with --bits")
+    g.add_argument("--bits", type=_bits, default=None,
+                   help="with a family --preset: its preset of these bits (--preset tq-budget --bits 3 is tq-3b)")
     g.add_argument("--max-tokens", type=_positive_int, default=128)
     g.add_argument("--raw", action="store_true", help="no chat template: continue the prompt text")
     g.add_argument("--pipeline", action="store_true",
@@ -114,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     calibration_opt(g)
 
     e = sub.add_parser("eval", help="perplexity/KL, passkey retrieval or speed; JSON output")
-    esub = e.add_subparsers(dest="eval_kind", metavar="KIND", parser_class=_Parser)
+    esub = e.add_subparsers(dest="eval_kind", metavar="MEASURE", parser_class=_Parser)
     esub.required = True
     ep = esub.add_parser("ppl", help="perplexity, Δ vs plain cache, KL, top-1 agreement")
     ep.add_argument("--contexts", type=_int_list, default=[512])
@@ -129,19 +163,21 @@ def build_parser() -> argparse.ArgumentParser:
     es.add_argument("--decode-tokens", type=_positive_int, default=32)
     for q in (ep, en, es):
         model_opt(q)
-        methods_opt(q)
+        presets_opt(q)
         q.add_argument("--out", help="write the results as JSON")
         q.add_argument("--corpus", default=DEFAULT_CORPUS, choices=tuple(CORPORA),
                        help=f"evaluation text (default {DEFAULT_CORPUS}; each installed by scripts/setup.sh)")
         if q is not ep:
             q.set_defaults(plot=None)
-        calibration_opt(q, "every compressed method is also run with it (a '+cal' row each)")
+        calibration_opt(q, "every compressed preset is also run with it (a '+cal' row each)")
 
-    m = sub.add_parser("methods", help="registered methods with measured bytes per token per layer (marks the default)")
+    m = sub.add_parser("presets", aliases=[old for old, new in DEPRECATED_COMMANDS.items() if new == "presets"],
+                       help="the presets (and mlx_lm's caches) with measured bytes per token per layer, the default "
+                            f"marked ('methods': its deprecated name, until {DEPRECATED_UNTIL})")
     m.add_argument("--head-dim", type=_positive_int, default=64)
     m.add_argument("--kv-heads", type=_positive_int, default=1)
 
-    pl = sub.add_parser("plan", help="longest context whose KV cache fits in RAM, per method")
+    pl = sub.add_parser("plan", help="longest context whose KV cache fits in RAM, per preset")
     pl.add_argument("--layers", type=_positive_int, required=True)
     pl.add_argument("--kv-heads", type=_positive_int, required=True)
     pl.add_argument("--head-dim", type=_positive_int, required=True)

@@ -1,5 +1,5 @@
-"""The commands that run a model on prompts: ``demo`` (the plain cache against every method on the embedded model)
-and ``generate`` (one method, streamed; several prompts batched)."""
+"""The commands that run a model on prompts: ``demo`` (the plain cache against every preset on the embedded model)
+and ``generate`` (one preset, streamed; several prompts batched)."""
 from __future__ import annotations
 
 import time
@@ -28,7 +28,7 @@ def cmd_demo(args) -> int:
     _check_writable(args.out, "--out")
     model, tok = _load(args)
     _check_context(model, args.context, "--context")
-    specs = _with_reference(_select_specs(model, args.methods))
+    specs = _with_reference(_select_specs(model, args.presets))
     tokens = corpus_tokens(tok)
     ppl = perplexity_eval(model, tokens, specs, args.context, n_windows=1, progress=not args.no_progress)
     ids = _chat_ids(tok, args.prompt)
@@ -58,7 +58,7 @@ def cmd_demo(args) -> int:
     results["kernel_calls"] = c
     print(f"attention on codes: {attention_kernel.status()[1]}; decode calls on the kernel {c['kernel']}, refused "
           f"by it (run on the reference) {c['refused']}")
-    print(_table(["method", "bits/coord", f"KV MiB @{args.context}", "ppl", "Δppl", "KL", "decode tok/s"], rows))
+    print(_table(["preset", "bits/coord", f"KV MiB @{args.context}", "ppl", "Δppl", "KL", "decode tok/s"], rows))
     print()
     for name, r in results["methods"].items():
         print(f"[{name}] {r['answer']}")
@@ -78,13 +78,13 @@ def cmd_generate(args) -> int:
     if len(prompts) > 1 and group.size() > 1:
         raise CLIError("several prompts are generated batched in one process; under mlx.launch give one --prompt")
     model, tok = _load(args)
-    spec = resolve_spec(args.method, args.bits, model_kv_shape(model)[2])
+    spec = resolve_spec(args.preset, args.bits, model_kv_shape(model)[2])
     cal = _load_calibration(args, model)
     if cal is not None:
         try:
             spec = with_calibration(spec, cal)
         except ValueError as e:
-            raise CLIError(f"--calibration with --method {spec.name}: {e}")
+            raise CLIError(f"--calibration with --preset {spec.name}: {e}")
     all_ids = [_chat_ids(tok, p, raw=args.raw) for p in prompts]
     for ids in all_ids:
         _check_context(model, len(ids) + args.max_tokens, "prompt plus --max-tokens")
@@ -132,7 +132,7 @@ def _generate_batched(args, model, tok, spec, all_ids, cal=None) -> int:
 
     ok, why = probe_batching(model, spec.make_cache)
     if not ok:
-        raise CLIError(f"--method {spec.name} cannot batch several prompts ({why}); give one --prompt")
+        raise CLIError(f"--preset {spec.name} cannot batch several prompts ({why}); give one --prompt")
     if spec.options is not None:
         enable(model, spec.options, calibration=cal)  # BatchGenerator makes our caches and merges them into batch caches
     try:

@@ -3,7 +3,7 @@
 Attention on Lloyd-Max codes needs ``levels[code]`` for every stored coordinate at every step. Reading them
 with MLX's gather (`mx.take`, after unpacking the bit fields through `dsa.bit_pack`'s gather tables) costs about
 12 ns an element on CPU; a compiled elementwise kernel that cuts the bit fields with shifts and evaluates the
-levels as a polynomial of the code costs about 1 ns (`LevelDecoder`; benchmarks/attention.py, BENCHMARKS.md).
+levels as a polynomial of the code costs about 1 ns (`LevelDecoder`; benchmarks/probes/attention.py, BENCHMARKS.md).
 `CodePacker` is the way back for encoding: index search by compares and bit packing in one kernel.
 Nothing here is device specific: `mx.compile` fuses on CPU, CUDA and Metal alike (and MLX runs the same graph
 unfused where it cannot compile).

@@ -32,7 +32,7 @@ SCALE_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.fl
 FIELDS = ("w_q", "scales", "biases")
 
 # Measured CPU crossovers (query rows per KV head) above which decoding once + BLAS beats the quantized
-# matmul (benchmarks/attention.py era, 8 KV heads, d=128, n=8k): scoring (transpose=True) ~12 rows, value
+# matmul (benchmarks/probes/attention.py era, 8 KV heads, d=128, n=8k): scoring (transpose=True) ~12 rows, value
 # aggregation (transpose=False) ~32 rows.
 CPU_PACKED_ROWS_SCORES = 12
 CPU_PACKED_ROWS_VALUES = 32

@@ -6,7 +6,7 @@ bias per channel per block) and the arrays hold ``K^T``:
     w_q ``(B, H, d, n*bits/32)`` uint32, scales / biases ``(B, H, d, n/block)``   (token axis LAST)
 
 Scoring is then one ``mx.quantized_matmul(q Pi^T, w_q, transpose=False)`` per layer over the whole history,
-the fastest quantized form on CPU once several query heads share a KV head (GQA; benchmarks/attention.py).
+the fastest quantized form on CPU once several query heads share a KV head (GQA; benchmarks/probes/attention.py).
 Centring quantizes ``Pi (x - mu)`` (better codes at 2-3 bits) and folds ``Pi mu`` back into each channel's
 biases, so the codes decode to ``Pi x`` directly: no ``q . mu`` term at attention time.
 

@@ -15,7 +15,7 @@ values ``((p * norms) . levels[codes])`` rotated back once after the sum. ``leve
 elementwise kernel per stream (:mod:`veloxquant_mlx.codecs._levels`: bit fields cut with shifts, levels as an
 exact polynomial of the code) feeding one BLAS matmul; TurboQuant-Prod adds its QJL term the same way in the
 sketch space (``(q_rot S^T) . signs * gamma``). Codes wider than `_levels.MAX_POLY_BITS` bits (an 8-bit outlier
-group) fall back to MLX's gather (`decode_rotated`), several times slower (benchmarks/attention.py). TurboQuant-MSE
+group) fall back to MLX's gather (`decode_rotated`), several times slower (benchmarks/probes/attention.py). TurboQuant-MSE
 encoding fuses its index search and bit packing the same way (`_levels.CodePacker`: the quantizer's codes, bit
 for bit); Prod and RVQ keys encode through their quantizers.
 """

@@ -25,7 +25,7 @@ minimum is the least disturbed run when other processes share the cores):
 ``bytes/tok/head`` counts K and V together, per token per KV head, every stored array included (not the
 per-head means or the exact window). Activations are float32 (float16 matmul is slow on CPU).
 
-    python benchmarks/attention.py [--quick] [--repeats 5] [--compile] [--out results/attention.json]
+    python -m benchmarks.probes.attention [--quick] [--repeats 5] [--compile] [--out results/attention.json]
 
 ``--shape NAME [NAME ...]`` (or ``all``) times instead one model's attention layer (`MODEL_SHAPES`: query heads / KV
 heads, head_dim) at ``--lengths`` (default 4k 16k 32k): ``ours``, a decode step through the real cache class
@@ -34,7 +34,7 @@ heads, head_dim) at ``--lengths`` (default 4k 16k 32k): ``ours``, a decode step 
 (``mx.fast.scaled_dot_product_attention`` on the plain float32 history), interleaved, median and spread (min, max)
 of the repeats, written to ``results/attention_shapes.json`` unless ``--out`` says otherwise::
 
-    python benchmarks/attention.py --shape all --repeats 15
+    python -m benchmarks.probes.attention --shape all --repeats 15
 
 ``--compare-kernel SO`` (with ``--shape``) also times the same decode step through another build of the compiled
 module (``ours_compared``; the JSON gets its median and our speedup over it, paired per repeat).
@@ -48,34 +48,26 @@ slots, live codes: two coded spans), filled with WINDOW tokens then 300 decode s
 (`set_row_plan`: 4 or 2 vectors per row block straight from the codes, or 0: each tile decoded once), every
 combination for keys and values interleaved, at ``--lengths`` (default 16k), ``--heads`` KV heads, ``--dims``::
 
-    python benchmarks/attention.py --row-plans --rs 1 2 3 4 6 8 16 --dims 64 128 --repeats 9
+    python -m benchmarks.probes.attention --row-plans --rs 1 2 3 4 6 8 16 --dims 64 128 --repeats 9
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import random
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from veloxquant_mlx.blas import ensure_openblas
 
-from veloxquant_mlx.blas import ensure_openblas, loaded_blas  # noqa: E402
+from benchmarks import _common
+from benchmarks._shapes import SHAPES as _MODELS
 
 SHAPES = {"d64": (9, 3, 64), "d128": (32, 8, 128)}
 
-# --shape: (query heads, KV heads, head_dim) of one attention layer of these models
-MODEL_SHAPES = {
-    "smollm2-135m": (9, 3, 64),
-    "llama-3.2-1b": (32, 8, 64),
-    "qwen2.5-1.5b": (12, 2, 128),
-    "qwen3-4b": (32, 8, 128),
-    "mistral-7b": (32, 8, 128),
-    "gemma-3-1b": (4, 1, 256),
-    "phi-3-mini": (32, 32, 96),
-}
+# --shape: (query heads, KV heads, head_dim) of one attention layer of the models of e2e_speed.py --shape
+MODEL_SHAPES = {name: (f["num_attention_heads"], f["num_key_value_heads"],
+                       f.get("head_dim") or f["hidden_size"] // f["num_attention_heads"])
+                for name, (_, f) in _MODELS.items()}
 
 
 def load_other_kernel(path: str):
@@ -164,11 +156,8 @@ def run_row_plans(args) -> None:
                      "all_ms": {f"k{k}v{v}": [t * 1e3 for t in ts] for (k, v), ts in times.items()}})
         print(f"{R:>3}{d:>5}{n:>7}  " + "".join(f"{med[p]:>9.2f}" for p in plans) + f"   k{best[0]}v{best[1]}",
               flush=True)
-    out = args.out or "results/attention_row_plans.json"
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as fh:
-        json.dump({"mlx": mx.__version__, "cpus": os.cpu_count(), "rows": rows}, fh, indent=1)
-    print(f"wrote {out}")
+    _common.write_json(args.out or "results/attention_row_plans.json",
+                       {"mlx": mx.__version__, "cpus": os.cpu_count(), "rows": rows})
 
 
 def build_rotating_candidates(Hq: int, Hkv: int, d: int, window: int, seed: int):
@@ -223,7 +212,7 @@ def run_shapes(args) -> None:
     lengths = args.lengths or [4096, 16384, 32768]
     repeats = args.repeats or 11
     ok, path = kernel.status()
-    print(f"MLX {mx.__version__}, device {mx.default_device()}, BLAS: {loaded_blas()}; ours: {path}")
+    print(f"{_common.environment()}; ours: {path}")
     rows = []
     print(f"{'shape':<14}{'Hq/Hkv,d':>12}{'n':>7}{'sdpa ms':>9}{'ours ms':>9}{'ours min-max':>15}{'speedup':>9}"
           f"{'kernel':>8}{'rel err':>10}" + (f"{'cmp ms':>10}{'vs cmp':>10}" if other else "")
@@ -267,12 +256,9 @@ def run_shapes(args) -> None:
                   + (f"{med['reference']:>10.2f}{row['ours_speedup_vs_reference']:>9.2f}x" if args.rotating else ""),
                   flush=True)
             del cands
-    out = args.out or "results/attention_shapes.json"
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as fh:
-        json.dump({"mlx": mx.__version__, "device": str(mx.default_device()), "blas": loaded_blas(), "path": path,
-                   "cpus": os.cpu_count(), "rows": rows}, fh, indent=1)
-    print(f"wrote {out}")
+    _common.write_json(args.out or "results/attention_shapes.json",
+                       {"mlx": mx.__version__, "device": str(mx.default_device()), "blas": _common.blas(), "path": path,
+                        "cpus": os.cpu_count(), "rows": rows})
 
 
 def build_candidates(Hq: int, Hkv: int, d: int, n: int, seed: int, skip_f16_above: int, lloyd_max_n: int,
@@ -399,7 +385,7 @@ def time_interleaved(cands, repeats: int, seed: int):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _common.parser(__doc__)
     ap.add_argument("--quick", action="store_true", help="n up to 4k only")
     ap.add_argument("--lengths", type=int, nargs="+", default=None, help="history lengths (default 1k 4k 16k 32k)")
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -412,8 +398,8 @@ def main(argv=None):
                     help="time only the candidates whose name contains one of these (plus sdpa_f32)")
     ap.add_argument("--compile", action="store_true", help="also time mx.compile'd ours_aff4 / ours_blk4 (suffix _c)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None, help="JSON written (default results/attention.json, with --shape "
-                    "results/attention_shapes.json)")
+    _common.add_out(ap, help="JSON written (default results/attention.json, with --shape "
+                    "results/attention_shapes.json, with --row-plans results/attention_row_plans.json)")
     ap.add_argument("--shape", nargs="+", default=None, choices=list(MODEL_SHAPES) + ["all"],
                     help="time one model's attention layer instead (see the module docstring)")
     ap.add_argument("--compare-kernel", default=None, metavar="SO", help="--shape: also time our decode step through "
@@ -438,8 +424,8 @@ def main(argv=None):
 
     import mlx.core as mx
 
-    blas = loaded_blas()
-    print(f"MLX {mx.__version__}, device {mx.default_device()}, BLAS: {blas}")
+    blas = _common.blas()
+    print(_common.environment())
     rows = []
     for shape in args.shapes:
         Hq, Hkv, d = SHAPES[shape]
@@ -469,11 +455,9 @@ def main(argv=None):
                     print(f"{r['candidate']:<16}{r['ms']:>10.2f}{r['vs_sdpa_f32']:>8.2f}"
                           f"{r['min_ms']:>10.2f}{r['min_vs_sdpa_f32']:>8.2f}"
                           f"{r['bytes_per_token_head']:>12d}{r['compression_vs_f16']:>8.2f}{r['max_rel_err_vs_f32']:>13.2e}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump({"mlx": mx.__version__, "device": str(mx.default_device()), "blas": blas,
-                   "repeats": repeats, "rows": rows}, fh, indent=1)
-    print(f"\nwrote {args.out}")
+    print()
+    _common.write_json(args.out, {"mlx": mx.__version__, "device": str(mx.default_device()), "blas": blas,
+                                  "repeats": repeats, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -5,16 +5,17 @@ SmolLM2-135M, ``--prompt`` tokens of the corpus in chunks of 256, one fresh cach
 with or without the fused exponential. What it checks: the settings of
 ``veloxquant_mlx.attention.packed_sdpa`` (``QUERY_BLOCK``, ``exp2_nonpositive(fused=...)``) for prefill.
 
-    python benchmarks/prefill_peak.py --codec affine_block --query-block 16
-    python benchmarks/prefill_peak.py --codec affine_block --query-block 32
-    python benchmarks/prefill_peak.py --codec affine_block --fused-prefill-exp
-    python benchmarks/prefill_peak.py --codec affine_block --estrin-prefill-exp
+    python -m benchmarks.probes.prefill_peak --codec affine_block --query-block 16
+    python -m benchmarks.probes.prefill_peak --codec affine_block --query-block 32
+    python -m benchmarks.probes.prefill_peak --codec affine_block --fused-prefill-exp
+    python -m benchmarks.probes.prefill_peak --codec affine_block --estrin-prefill-exp
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import json
+
+from benchmarks import _common
 
 
 def main(argv=None):
@@ -29,7 +30,7 @@ def main(argv=None):
     from veloxquant_mlx.eval import corpus_tokens
     from veloxquant_mlx.models.loader import load_model
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _common.parser(__doc__)
     ap.add_argument("--prompt", type=int, default=4096)
     ap.add_argument("--codec", default="affine_block", choices=["lloyd_max", "affine", "affine_block"])
     ap.add_argument("--query-block", type=int, default=packed_sdpa.QUERY_BLOCK)

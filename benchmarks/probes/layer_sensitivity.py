@@ -10,18 +10,18 @@ Diagnosis for issue 28 (BENCHMARKS.md, "Where issue 28's gap lies"), not a produ
    sensitivities (error model: sensitivity x 4^-(bits - --bits); the total bits unchanged), against the preset
    itself, both with the calibration's channel weights, on both corpora.
 
-    python benchmarks/layer_sensitivity.py --texts calibration,kjv --screen --out results/layer_sensitivity.json
+    python -m benchmarks.probes.layer_sensitivity --texts calibration,kjv --screen --out results/layer_sensitivity.json
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
 
 from veloxquant_mlx.blas import ensure_openblas
+
+from benchmarks import _common
 
 ensure_openblas()
 
@@ -82,7 +82,7 @@ def sensitivity(model, tokens, options, calibration, bits: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = _common.parser(__doc__, brief=True)
     ap.add_argument("--preset", default="tq-4b", help="a budget preset (its layout; bits from --bits / the exchange)")
     ap.add_argument("--texts", default="calibration,kjv", help="calibration and/or evaluation corpora")
     ap.add_argument("--tokens", type=int, default=1219, help="tokens of each text measured (one window)")
@@ -93,7 +93,7 @@ def main() -> None:
     ap.add_argument("--screen-presets", default="tq-4b,tq-3b")
     ap.add_argument("--context", type=int, default=513)
     ap.add_argument("--windows", type=int, default=2)
-    ap.add_argument("--out")
+    _common.add_out(ap)
     args = ap.parse_args()
     if args.preset not in PRESETS:
         raise SystemExit(f"--preset must be one of {', '.join(PRESETS)}, got {args.preset!r}")
@@ -137,10 +137,7 @@ def main() -> None:
                       f"{r['memory']['bits_per_coordinate']:.3f}  dppl {100 * r['delta_ppl'] / base:+6.2f} %  "
                       f"KL {r['kl']:.4f}  top-1 {r['top1']:.3f}", flush=True)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1, default=str)
-        print(f"wrote {args.out}")
+        _common.write_json(args.out, out, default=str)
 
 
 if __name__ == "__main__":

@@ -1,18 +1,17 @@
 """Peak memory of what users run: mlx_lm's ``generate_step`` on SmolLM2-135M after ``veloxquant_mlx.enable(model)``.
 
 mlx_lm's prefill evaluates only the caches (never the whole chunk's logits), so this is the peak a user sees; the
-peak of ``e2e_speed.py`` also holds its harness's full-chunk logits. Per method: a fresh process state (buffer
-cache cleared, peak reset), a ``--prompt``-token corpus prompt, ``--decode`` tokens; ``mx.get_peak_memory()``
-includes the float32 weights.
+peak of ``benchmarks/e2e_speed.py`` also holds its harness's full-chunk logits. Per method: a fresh process state
+(buffer cache cleared, peak reset), a ``--prompt``-token corpus prompt, ``--decode`` tokens;
+``mx.get_peak_memory()`` includes the float32 weights.
 
-    python benchmarks/generate_peak.py --methods kv,tq-affine-k8v4 --out results/generate_peak.json
+    python -m benchmarks.probes.generate_peak --methods kv,tq-affine-k8v4 --out results/generate_peak.json
 """
 from __future__ import annotations
 
-import argparse
 import gc
-import json
-import os
+
+from benchmarks import _common
 
 
 def main(argv=None):
@@ -27,11 +26,11 @@ def main(argv=None):
     from veloxquant_mlx.eval.specs import CONFIGURATIONS
     from veloxquant_mlx.models.loader import load_model
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _common.parser(__doc__)
     ap.add_argument("--prompt", type=int, default=4096)
     ap.add_argument("--decode", type=int, default=8)
     ap.add_argument("--methods", default="kv,tq-affine-k8v4", help=f"comma list of 'kv' and {list(CONFIGURATIONS)}")
-    ap.add_argument("--out", default="results/generate_peak.json")
+    _common.add_out(ap, "results/generate_peak.json")
     args = ap.parse_args(argv)
     methods = [m for m in args.methods.split(",") if m]
     bad = [m for m in methods if m != "kv" and m not in CONFIGURATIONS]
@@ -57,10 +56,7 @@ def main(argv=None):
         rows.append({"method": m, "peak_mib": mx.get_peak_memory() / 2**20})
         vq.disable(model)
         print(f"{m:16s} peak {rows[-1]['peak_mib']:8.2f} MiB", flush=True)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"prompt": args.prompt, "decode": args.decode, "rows": rows}, f, indent=2)
-    print(f"wrote {args.out}")
+    _common.write_json(args.out, {"prompt": args.prompt, "decode": args.decode, "rows": rows}, indent=2)
 
 
 if __name__ == "__main__":

@@ -6,19 +6,15 @@ forward pass of a ``--chunk``-token chunk per row is timed: graph building (Pyth
 configurations take turns, the order reversed every other round, so the machine's drift hits both alike; medians
 over ``--rounds`` and the paired per-round ratios (plain time / ours) are printed and written as JSON.
 
-    python benchmarks/chunk_prefill.py --history 170 --chunk 20 --batch 1 --rounds 8
-    python benchmarks/chunk_prefill.py --history 200 --chunk 20 --batch 4 --rounds 6
+    python -m benchmarks.probes.chunk_prefill --history 170 --chunk 20 --batch 1 --rounds 8
+    python -m benchmarks.probes.chunk_prefill --history 200 --chunk 20 --batch 4 --rounds 6
 """
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import _common
 
 
 def main(argv=None):
@@ -34,13 +30,13 @@ def main(argv=None):
     from veloxquant_mlx.eval.specs import CONFIGURATIONS
     from veloxquant_mlx.models.loader import load_model
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _common.parser(__doc__)
     ap.add_argument("--method", default="tq-affine-k8v4", choices=sorted(CONFIGURATIONS))
     ap.add_argument("--history", type=int, default=170, help="tokens each row holds before the chunk")
     ap.add_argument("--chunk", type=int, default=20, help="tokens of the timed chunk")
     ap.add_argument("--batch", type=int, default=1, help="rows")
     ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
+    _common.add_out(ap, help="write the figures as JSON here")
     a = ap.parse_args(argv)
     for name in ("history", "chunk", "batch", "rounds"):
         if getattr(a, name) < 1:
@@ -72,15 +68,14 @@ def main(argv=None):
     med = {k: (statistics.median(b for b, _ in v) * 1e3, statistics.median(e for _, e in v) * 1e3) for k, v in times.items()}
     paired = [(pb + pe) / (ob + oe) for (pb, pe), (ob, oe) in zip(times["plain"], times["ours"])]
     print(f"SmolLM2-135M, {a.batch} row(s) of {a.history} tokens + a {a.chunk}-token chunk, {a.rounds} interleaved rounds")
-    print("| cache | build ms | eval ms | total ms |")
-    print("|---|---|---|---|")
-    for k, (b, e) in med.items():
-        print(f"| {'plain BatchKVCache' if k == 'plain' else a.method} | {b:.1f} | {e:.1f} | {b + e:.1f} |")
+    print(_common.markdown_table(["cache", "build ms", "eval ms", "total ms"],
+                                 [["plain BatchKVCache" if k == "plain" else a.method, f"{b:.1f}", f"{e:.1f}",
+                                   f"{b + e:.1f}"] for k, (b, e) in med.items()]))
     print(f"plain / ours total, paired per round: median {statistics.median(paired):.3f} "
           f"[{min(paired):.3f}, {max(paired):.3f}]")
     if a.out:
-        a.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "median_ms": med,
-                                     "paired_plain_over_ours": paired}, indent=1))
+        _common.write_json(a.out, {"args": {k: str(v) for k, v in vars(a).items()}, "median_ms": med,
+                                   "paired_plain_over_ours": paired})
 
 
 if __name__ == "__main__":

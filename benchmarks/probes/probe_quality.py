@@ -2,10 +2,10 @@
 
 One command (from the repository root):
 
-    python benchmarks/probe_quality.py                     # SCREEN_DEFAULT screen + E2E_DEFAULT at 512 x 2 windows
-    python benchmarks/probe_quality.py --stage screen      # layer-local proxy only (seconds per config)
-    python benchmarks/probe_quality.py --stage e2e --configs NAME,NAME --context 2048 --windows 1
-    python benchmarks/probe_quality.py --stage needle --configs NAME --needle-lengths 1024,2048,4096
+    python -m benchmarks.probes.probe_quality                 # SCREEN_DEFAULT screen + E2E_DEFAULT at 512 x 2 windows
+    python -m benchmarks.probes.probe_quality --stage screen  # layer-local proxy only (seconds per config)
+    python -m benchmarks.probes.probe_quality --stage e2e --configs NAME,NAME --context 2048 --windows 1
+    python -m benchmarks.probes.probe_quality --stage needle --configs NAME --needle-lengths 1024,2048,4096
 
 Results merge into results/probe_quality.json (screen / e2e[ctx<C>_w<W>] / needle / configs with bits).
 A config name is its recipe (``parse_config``): ``K<kb>V<vb>`` then options joined by "-":
@@ -34,18 +34,16 @@ full transforms (fp16 d x d per head), exact sink/window tokens (fp16), averaged
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Dict, List
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from veloxquant_mlx.blas import ensure_openblas  # (before mlx is imported)
 
-from veloxquant_mlx.blas import ensure_openblas  # noqa: E402  (before mlx is imported)
+from benchmarks import _common
 
 CAL_START = 100_000  # calibration text: far from every evaluation window
 CAL_LEN = 512
@@ -130,7 +128,7 @@ class ModelStats:
     def __init__(self, model, tokens):
         import mlx.core as mx
 
-        import _key_weighting as kw  # benchmarks/_key_weighting.py, next to this script
+        from benchmarks import _key_weighting as kw
 
         self.n_layers = len(model.layers)
         a = model.args
@@ -214,7 +212,7 @@ class ProbeStream:
     def _fit_transform(self, x):
         import mlx.core as mx
 
-        import _key_weighting as kw  # benchmarks/_key_weighting.py, next to this script
+        from benchmarks import _key_weighting as kw
 
         st, L, tw = self.stats, self.layer, (self.cfg.kw if self.which == "k" else self.cfg.vw)
         xc = x - mx.mean(x, axis=2, keepdims=True)
@@ -429,25 +427,26 @@ def parse_config(name: str) -> Config:
 
 
 def fmt_table(rows: List[dict]) -> str:
-    out = ["| config | K/V bits | eff bits @512 | eff bits @4096 | ctx | KL | top-1 | Δppl % | attn err (screen) | attn KL (screen) |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
+    head = ["config", "K/V bits", "eff bits @512", "eff bits @4096", "ctx", "KL", "top-1", "Δppl %", "attn err (screen)",
+            "attn KL (screen)"]
+
+    def cells(r):
         f = lambda k, p: ("-" if r.get(k) is None else p.format(r[k]))  # noqa: E731
-        out.append(f"| {r['name']} | {r['kb']}/{r['vb']} | {r['bits512']:.3f} | {r['bits4096']:.3f} | "
-                   f"{r.get('ctx', '-')} | {f('kl', '{:.4f}')} | {f('top1', '{:.3f}')} | "
-                   f"{f('delta_ppl_pct', '{:+.2f}')} | {f('attn_out_err', '{:.4f}')} | {f('attn_kl', '{:.4f}')} |")
-    return "\n".join(out)
+        return [r["name"], f"{r['kb']}/{r['vb']}", f"{r['bits512']:.3f}", f"{r['bits4096']:.3f}", r.get("ctx", "-"),
+                f("kl", "{:.4f}"), f("top1", "{:.3f}"), f("delta_ppl_pct", "{:+.2f}"), f("attn_out_err", "{:.4f}"),
+                f("attn_kl", "{:.4f}")]
+    return _common.markdown_table(head, [cells(r) for r in rows])
 
 
 def main(argv=None):
     ensure_openblas()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _common.parser(__doc__)
     p.add_argument("--stage", choices=("screen", "e2e", "needle", "all"), default="all")
     p.add_argument("--needle-lengths", default="1024,2048,4096")
     p.add_argument("--configs", default="", help="comma-separated names (default: all for screen, finalists for e2e)")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--windows", type=int, default=2)
-    p.add_argument("--out", default="results/probe_quality.json")
+    _common.add_out(p, "results/probe_quality.json", help="JSON merged into (default results/probe_quality.json)")
     args = p.parse_args(argv)
 
     import mlx.core as mx  # noqa: F401
@@ -507,7 +506,6 @@ def main(argv=None):
     results.setdefault("configs", {})
     results["configs"] |= {n: asdict(c) | {"bits512": effective_bits(c, 512), "bits2048": effective_bits(c, 2048),
                                           "bits4096": effective_bits(c, 4096)} for n, c in cfgs.items()}
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     if os.path.exists(args.out):  # merge with what another run wrote meanwhile (one level deep)
         with open(args.out) as f:
             disk = json.load(f)
@@ -521,8 +519,7 @@ def main(argv=None):
             else:
                 disk[k] = v
         results = disk
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
+    _common.write_json(args.out, results, quiet=True)
     print(f"wrote {args.out} ({time.time() - t0:.0f} s)")
 
 

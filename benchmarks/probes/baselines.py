@@ -2,7 +2,7 @@
 
 One command (from the repository root):
 
-    python benchmarks/baselines.py                      # full: 512/2048/4096, writes results/baselines.json
+    python -m benchmarks.probes.baselines               # full: 512/2048/4096, writes results/baselines.json
 
 Perplexity / KL / top-1 of every baseline (KVCache, QuantizedKVCache 8/4/2 bits, group 64)
 against the plain KVCache on fixed Debian Reference windows (window i starts at token i*context),
@@ -12,65 +12,57 @@ slow machines (``--windows``, ``--needle-lengths``); the JSON records what was r
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import platform
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from veloxquant_mlx.blas import ensure_openblas  # (must run before mlx is imported)
 
-from veloxquant_mlx.blas import ensure_openblas  # noqa: E402  (must run before mlx is imported)
-
-
-def _ints(s: str):
-    return [int(x) for x in s.split(",") if x]
+from benchmarks import _common
+from benchmarks._common import ints
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--contexts", type=_ints, default=[512, 2048, 4096], help="perplexity contexts")
-    p.add_argument("--windows", type=_ints, default=[4, 2, 1],
+    p = _common.parser(__doc__)
+    p.add_argument("--contexts", type=ints, default=[512, 2048, 4096], help="perplexity contexts")
+    p.add_argument("--windows", type=ints, default=[4, 2, 1],
                    help="windows per context (one number for all, or one per context)")
-    p.add_argument("--needle-lengths", type=_ints, default=[1024, 2048, 4096],
+    p.add_argument("--needle-lengths", type=ints, default=[1024, 2048, 4096],
                    help="passkey prompt lengths for every method")
-    p.add_argument("--needle-ref-lengths", type=_ints, default=None,
+    p.add_argument("--needle-ref-lengths", type=ints, default=None,
                    help="passkey lengths for the plain KVCache (default: --needle-lengths)")
     p.add_argument("--speed-context", type=int, default=512, help="context for prefill/decode speed")
     p.add_argument("--decode-tokens", type=int, default=32)
-    p.add_argument("--model", default="smollm2")
+    _common.add_model(p)
     p.add_argument("--methods", default="all", help="comma-separated baseline names (default: all four)")
     p.add_argument("--stages", default="speed,ppl,needle", help="which of speed,ppl,needle to run")
     p.add_argument("--merge", action="store_true",
                    help="update an existing --out file instead of starting a new one (runs split over time)")
-    p.add_argument("--out", default="results/baselines.json")
+    _common.add_out(p, "results/baselines.json")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
 
 def markdown_table(results: dict) -> str:
-    rows = ["| method | ctx | ppl | Δppl | KL (nats/tok) | top-1 | needle | bytes/token (all layers) | bits/coord | decode tok/s |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    head = ["method", "ctx", "ppl", "Δppl", "KL (nats/tok)", "top-1", "needle", "bytes/token (all layers)",
+            "bits/coord", "decode tok/s"]
+    rows = []
     for name, r in results["methods"].items():
         needle = r.get("needle")
         nd = f"{needle['passed']}/{needle['total']}" if needle else "-"
         sp = r.get("speed", {})
         for ctx, p in sorted(r.get("ppl", {}).items(), key=lambda kv: int(kv[0])):
-            rows.append(
-                f"| {name} | {ctx} | {p['ppl']:.3f} | {p['delta_ppl']:+.3f} | {p['kl']:.4f} | {p['top1']:.3f} | "
-                f"{nd} | {sp.get('bytes_per_token', float('nan')):.0f} | {sp.get('bits_per_coordinate', float('nan')):.2f} | "
-                f"{sp.get('decode_tokens_per_s', float('nan')):.1f} |"
-            )
-    return "\n".join(rows)
+            rows.append([name, ctx, f"{p['ppl']:.3f}", f"{p['delta_ppl']:+.3f}", f"{p['kl']:.4f}", f"{p['top1']:.3f}",
+                         nd, f"{sp.get('bytes_per_token', float('nan')):.0f}",
+                         f"{sp.get('bits_per_coordinate', float('nan')):.2f}",
+                         f"{sp.get('decode_tokens_per_s', float('nan')):.1f}"])
+    return _common.markdown_table(head, rows)
 
 
 def main(argv=None):
     ensure_openblas()
     args = parse_args(argv)
-    import mlx.core as mx
-
-    from veloxquant_mlx.blas import loaded_blas
     from veloxquant_mlx.eval import (
         baseline_specs, corpus_tokens, passkey_eval, perplexity_eval, speed_eval,
     )
@@ -93,9 +85,8 @@ def main(argv=None):
     progress = not args.no_progress
     res = {
         "model": args.model,
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "blas": loaded_blas(),
-                    "mlx": getattr(mx, "__version__", "?")},
-        "command": "python benchmarks/baselines.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "machine": _common.machine_info(),
+        "command": "python -m benchmarks.probes.baselines " + " ".join(sys.argv[1:] if argv is None else argv),
         "corpus_tokens": len(tokens),
         "settings": {"contexts": args.contexts, "windows": windows, "chunk": 256,
                      "needle_lengths": args.needle_lengths,
@@ -113,10 +104,8 @@ def main(argv=None):
         res = old
 
     def save():
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         res["elapsed_s"] = time.time() - t_start
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+        _common.write_json(args.out, res, quiet=True)
 
     if "speed" in stages:
         for s in specs:

@@ -12,18 +12,17 @@ A config is ``PRESET`` (uncalibrated) or ``PRESET+LEVER``; the levers are varian
 - ``calK.125``, ``cal.5``, ``cal.125``: the weights recomputed from the same statistics with another exponent
   (0.25 is the optimum for a rotated code's error model; see `veloxquant_mlx.calibration.weights`).
 
-    python benchmarks/calibration.py --contexts 512,2048 --windows 2,1 --out results/calibration.json
-    python benchmarks/calibration.py --configs tq-4b,tq-4b+cal --contexts 4096 --windows 1 --needle
+    python -m benchmarks.probes.calibration --contexts 512,2048 --windows 2,1 --out results/calibration.json
+    python -m benchmarks.probes.calibration --configs tq-4b,tq-4b+cal --contexts 4096 --windows 1 --needle
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
 import time
 
 from veloxquant_mlx.blas import ensure_openblas
+
+from benchmarks import _common
 
 ensure_openblas()
 
@@ -75,7 +74,7 @@ def make_specs(names, cals):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = _common.parser(__doc__, brief=True)
     ap.add_argument("--configs", default=DEFAULT_CONFIGS)
     ap.add_argument("--contexts", default="512,2048")
     ap.add_argument("--windows", default="2,1", help="windows per context (one number per context)")
@@ -83,7 +82,7 @@ def main() -> None:
     ap.add_argument("--calibration", help="a calibration file of SmolLM2 (default: calibrate now)")
     ap.add_argument("--save-calibration", help="write the calibration made now to this file")
     ap.add_argument("--needle", action="store_true", help="also passkey retrieval (1k/2k/4k x 3 depths)")
-    ap.add_argument("--out")
+    _common.add_out(ap)
     args = ap.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
     windows = [int(w) for w in args.windows.split(",")]
@@ -118,10 +117,7 @@ def main() -> None:
     budgets = {n: BUDGETS.get(n.partition("+")[0]) for n in args.configs.split(",")}
     out["budgets"] = budgets
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1, default=str)
-        print(f"wrote {args.out}")
+        _common.write_json(args.out, out, default=str)
 
 
 if __name__ == "__main__":

@@ -5,14 +5,11 @@ Measures, on random unit vectors, D_mse = E||x - x_hat||^2 (MSE, RVQ) and D_prod
 4^-b lower bound; true bytes per vector (EncodedVector.nbytes / n); and encode / decode throughput on a
 (1, 8, 4096, 128) tensor in one call.
 
-    python benchmarks/distortion.py [--n 20000] [--dims 64 128] [--out results/distortion.json]
+    python -m benchmarks.probes.distortion [--n 20000] [--dims 64 128] [--out results/distortion.json]
 """
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import os
 import time
 
 import mlx.core as mx
@@ -21,18 +18,7 @@ import numpy as np
 from veloxquant_mlx.codebooks import PAPER_D_MSE, lloyd_max_codebook, lower_bound_d_mse
 from veloxquant_mlx.quantizers import TurboQuantMSE, TurboQuantProd, TurboQuantRVQ
 
-
-def loaded_blas() -> str:
-    """Which BLAS this process mapped (from /proc/self/maps), for interpreting throughput."""
-    try:
-        with open("/proc/self/maps") as f:
-            maps = f.read().lower()
-    except OSError:
-        return "unknown (no /proc/self/maps)"
-    for name in ("openblas", "mkl", "blis", "accelerate", "libblas", "libcblas"):
-        if name in maps:
-            return name
-    return "none found (MLX built-in)"
+from benchmarks import _common
 
 
 def unit_vectors(n: int, d: int, seed: int) -> mx.array:
@@ -70,17 +56,17 @@ def throughput(quant, shape, repeats: int) -> tuple[float, float]:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = _common.parser(__doc__, brief=True)
     ap.add_argument("--n", type=int, default=20000, help="random unit vectors per (d, b)")
     ap.add_argument("--dims", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--max-bits", type=int, default=8, help="MSE/RVQ bit widths 1..max (Prod: 1..4)")
     ap.add_argument("--queries", type=int, default=16, help="unit queries for D_prod")
     ap.add_argument("--repeats", type=int, default=3, help="throughput repeats (best is reported)")
     ap.add_argument("--no-throughput", action="store_true")
-    ap.add_argument("--out", default="results/distortion.json")
+    _common.add_out(ap, "results/distortion.json")
     args = ap.parse_args(argv)
-    blas = loaded_blas()
-    print(f"BLAS loaded: {blas}; mlx {mx.__version__}; device {mx.default_device()}")
+    blas = _common.blas()  # (which BLAS, for interpreting throughput)
+    print(_common.environment())
     rows = []
     for d in args.dims:
         x = unit_vectors(args.n, d, seed=12345 + d)
@@ -117,10 +103,7 @@ def main(argv=None):
                 enc, dec = throughput(quant(b), shape, args.repeats)
                 tput.append({"quantizer": name, "b": b, "encode_vps": enc, "decode_vps": dec})
                 print(f"  {name:16s} b={b}: encode {enc:12,.0f}  decode {dec:12,.0f}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"blas": blas, "n": args.n, "distortion": rows, "throughput": tput}, f, indent=1)
-    print(f"wrote {args.out}")
+    _common.write_json(args.out, {"blas": blas, "n": args.n, "distortion": rows, "throughput": tput})
 
 
 if __name__ == "__main__":

@@ -11,21 +11,15 @@ For each method (turboquant_mse, turboquant_prod) and key bits b (3, 4), d = 128
 Every timing is mx.eval-synchronised (the cache evaluates its buffers on append; attend's output
 is evaluated here) and is the best of ``--repeats`` runs. Writes ``--out`` (JSON) and prints a table.
 
-    python benchmarks/standalone_cache.py            # full run
-    python benchmarks/standalone_cache.py --quick    # small n, for a smoke test
+    python -m benchmarks.probes.standalone_cache            # full run
+    python -m benchmarks.probes.standalone_cache --quick    # small n, for a smoke test
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
-import sys
-import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from veloxquant_mlx.blas import ensure_openblas, loaded_blas  # noqa: E402
+from veloxquant_mlx.blas import ensure_openblas
 
 ensure_openblas()  # before MLX loads: float32 matmul on the reference BLAS is ~50x slower
 
@@ -35,15 +29,8 @@ import numpy as np  # noqa: E402
 from veloxquant_mlx.cache.turboquant_cache import TurboQuantKVCache  # noqa: E402
 from veloxquant_mlx.config import KVCacheConfig  # noqa: E402
 
-
-def best_of(fn, repeats: int) -> float:
-    """Best wall time (s) of ``fn()`` over ``repeats`` runs (fn must synchronise itself)."""
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+from benchmarks import _common  # noqa: E402
+from benchmarks._common import best_seconds as best_of  # noqa: E402
 
 
 def make_cache(method: str, b: int, d: int) -> TurboQuantKVCache:
@@ -97,7 +84,7 @@ def bench_one(method: str, b: int, args, data: np.ndarray) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _common.parser(__doc__)
     p.add_argument("--d", type=int, default=128, help="head dimension (default 128)")
     p.add_argument("--bits", type=int, nargs="+", default=[3, 4], help="key bits b (default 3 4)")
     p.add_argument("--methods", nargs="+", default=["turboquant_mse", "turboquant_prod"])
@@ -106,7 +93,7 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, nargs="+", default=[4096, 32768], help="stored tokens for attend")
     p.add_argument("--repeats", type=int, default=3, help="best of this many runs (default 3)")
     p.add_argument("--quick", action="store_true", help="small sizes: block 512, rows 64, n 1024")
-    p.add_argument("--out", default="results/standalone_cache.json", help="JSON output path")
+    _common.add_out(p, "results/standalone_cache.json")
     args = p.parse_args(argv)
     if args.quick:
         args.block, args.rows, args.n, args.repeats = 512, 64, [1024], 2
@@ -120,17 +107,15 @@ def main(argv=None) -> int:
 
     # loaded_blas() lists the first OpenBLAS mapped, which can be numpy's own copy; LD_PRELOAD says
     # which one MLX's BLAS symbols resolve to.
-    blas = f"{loaded_blas()}; LD_PRELOAD={os.environ.get('LD_PRELOAD', '')}"
+    blas = f"{_common.blas()}; LD_PRELOAD={os.environ.get('LD_PRELOAD', '')}"
     print(f"TurboQuantKVCache, d={args.d}, float32 inputs; BLAS: {blas}")
     ns = [str(n) for n in args.n]
-    head = (f"| method | b | bytes/token | append {args.block} (tok/s) | per-row append (tok/s) | ratio | "
-            + " | ".join(f"attend n={n} (ms)" for n in ns) + " |")
-    print(head)
-    print("|" + "---|" * (6 + len(ns)))
-    for r in rows:
-        print(f"| {r['method']} | {r['b']} | {r['bytes_per_token']:.0f} | {r['append_block_tok_per_s']:,.0f} | "
-              f"{r['append_rows_tok_per_s']:,.0f} | {r['block_vs_rows_speedup']:.0f}x | "
-              + " | ".join(f"{r['attend_ms'][n]:.2f}" for n in ns) + " |")
+    head = (["method", "b", "bytes/token", f"append {args.block} (tok/s)", "per-row append (tok/s)", "ratio"]
+            + [f"attend n={n} (ms)" for n in ns])
+    print(_common.markdown_table(head, [
+        [r["method"], r["b"], f"{r['bytes_per_token']:.0f}", f"{r['append_block_tok_per_s']:,.0f}",
+         f"{r['append_rows_tok_per_s']:,.0f}", f"{r['block_vs_rows_speedup']:.0f}x"]
+        + [f"{r['attend_ms'][n]:.2f}" for n in ns] for r in rows]))
 
     out = {
         "benchmark": "standalone_cache",
@@ -140,10 +125,7 @@ def main(argv=None) -> int:
         "machine": platform.machine(),
         "results": rows,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=2)
-    print(f"wrote {args.out}")
+    _common.write_json(args.out, out, indent=2)
     return 0
 
 

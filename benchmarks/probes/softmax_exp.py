@@ -4,44 +4,40 @@ Decode-sized scores: ``(1, Hkv, R, n)`` = SmolLM2's layout (3 KV heads x 3 queri
 values ``s - max(s)`` (scores in log2 units for exp2, natural units for ``mx.exp``). Each cell is the best of
 5 timing batches (the least disturbed one on a shared CPU), microseconds per call.
 
-    python benchmarks/softmax_exp.py --out results/softmax_exp.json
+    python -m benchmarks.probes.softmax_exp --out results/softmax_exp.json
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import time
+from benchmarks import _common
 
 
 def best_us(fn, arg, reps=200, batches=5):
+    """Microseconds per call of ``fn(arg)``: the best of ``batches`` batches of ``reps`` calls, after 5 warm-ups."""
     import mlx.core as mx
 
     for _ in range(5):
         mx.eval(fn(arg))
-    best = float("inf")
-    for _ in range(batches):
-        t0 = time.perf_counter()
+
+    def batch():
         for _ in range(reps):
             mx.eval(fn(arg))
-        best = min(best, (time.perf_counter() - t0) / reps * 1e6)
-    return best
+    return _common.best_seconds(batch, batches) / reps * 1e6
 
 
 def main(argv=None):
-    from veloxquant_mlx.blas import ensure_openblas, loaded_blas
+    from veloxquant_mlx.blas import ensure_openblas
 
     ensure_openblas()
     import mlx.core as mx
 
     from veloxquant_mlx.attention import exp2
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _common.parser(__doc__)
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
-    ap.add_argument("--out", default="results/softmax_exp.json")
+    _common.add_out(ap, "results/softmax_exp.json")
     args = ap.parse_args(argv)
     fused_ok = exp2._fused_parts() is not None
-    print(f"MLX {mx.__version__}, {mx.default_device()}, BLAS {loaded_blas()}; fused kernel available: {fused_ok}")
+    print(f"{_common.environment()}; fused kernel available: {fused_ok}")
     rows = []
     for n in args.lengths:
         s = mx.random.normal((1, 3, 3, n)) * 4
@@ -56,10 +52,7 @@ def main(argv=None):
         extra = f"  fused {row['exp2_fused_us']:8.1f} us ({row['mx_exp_us'] / row['exp2_fused_us']:.1f}x)" if fused_ok else ""
         print(f"n={n:6d}: mx.exp {row['mx_exp_us']:8.1f} us  exp2 plain ops {row['exp2_plain_us']:8.1f} us "
               f"({row['mx_exp_us'] / row['exp2_plain_us']:.1f}x){extra}")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"mlx": mx.__version__, "fused_available": fused_ok, "rows": rows}, f, indent=2)
-    print(f"wrote {args.out}")
+    _common.write_json(args.out, {"mlx": mx.__version__, "fused_available": fused_ok, "rows": rows}, indent=2)
 
 
 if __name__ == "__main__":

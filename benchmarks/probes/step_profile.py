@@ -21,8 +21,8 @@ Milliseconds are medians over ``--rounds`` (each round: ``--steps`` of each part
 server decodes with at one client. ``--baseline-tokens N``: one more row, ``kv`` at an ``N``-token prompt, so
 that ``kv``'s step minus that row's is what the context costs the plain cache (the most any cache can save).
 
-    python benchmarks/step_profile.py --prompt 4096 --configs kv,tq-affine-k8v4,tq-prod-k4v4,tq-rvq-k2v2
-    python benchmarks/step_profile.py --prompt 430 --configs kv,tq-affine-k8v4 --batch-cache --baseline-tokens 16
+    python -m benchmarks.probes.step_profile --prompt 4096 --configs kv,tq-affine-k8v4,tq-prod-k4v4,tq-rvq-k2v2
+    python -m benchmarks.probes.step_profile --prompt 430 --configs kv,tq-affine-k8v4 --batch-cache --baseline-tokens 16
 
 ``--fresh R``: what a generation pays once, in its first decode steps: R times per config (configs in turn), a fresh
 cache, a chunked prefill (each chunk's ``cache.state`` evaluated, as mlx_lm's ``generate_step`` does), then
@@ -30,20 +30,18 @@ cache, a chunked prefill (each chunk's ``cache.state`` evaluated, as mlx_lm's ``
 median of the later ones. ``--cprofile K`` adds cProfile of step 1 against step K (Python only: the evaluation is one
 call), the functions whose time differs most.
 
-    python benchmarks/step_profile.py --prompt 4096 --configs kv,tq-affine-k8v4 --fresh 3 --steps 24 --cprofile 20
+    python -m benchmarks.probes.step_profile --prompt 4096 --configs kv,tq-affine-k8v4 --fresh 3 --steps 24 --cprofile 20
 """
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import os
 import random
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmarks import _common
+from benchmarks._common import context_for, machine, make_cache, prefill, registered
 
 
 def held(c) -> list:
@@ -89,19 +87,18 @@ def store_and_attend(cache, keys, values, queries, scale):
 
 
 def main(argv=None):
-    from veloxquant_mlx.blas import ensure_openblas, loaded_blas as blas_name
+    from veloxquant_mlx.blas import ensure_openblas
 
     ensure_openblas()
 
     import mlx.core as mx
 
-    from e2e_speed import context_for, machine, make_cache, prefill, registered
     from veloxquant_mlx.attention import kernel as attention_kernel
     from veloxquant_mlx.eval import corpus_tokens
     from veloxquant_mlx.models.loader import load_model
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2")
+    ap = _common.parser(__doc__)
+    _common.add_model(ap)
     ap.add_argument("--prompt", type=int, default=4096)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--steps", type=int, default=8, help="timings of each part per config and round "
@@ -120,7 +117,7 @@ def main(argv=None):
                     help="with --fresh: in the last run of each config, cProfile decode step 1 and step K (the "
                          "Python that builds the step's graph and its evaluation call) and print the functions "
                          "whose time differs most")
-    ap.add_argument("--out", default="results/step_profile.json")
+    _common.add_out(ap, "results/step_profile.json")
     args = ap.parse_args(argv)
     configs = [c for c in args.configs.split(",") if c]
     bad = [c for c in configs if c not in ("kv", "mlx-q4") and registered(c) is None]
@@ -133,7 +130,7 @@ def main(argv=None):
         raise ValueError("--batch-cache: mlx-q4 (mlx_lm's QuantizedKVCache) has no batch class; leave it out")
     if not 0 <= args.baseline_tokens < args.prompt:
         raise ValueError(f"--baseline-tokens must lie in [0, --prompt), got {args.baseline_tokens}")
-    print(f"BLAS: {blas_name()}; machine: {machine()}; attention on codes: {attention_kernel.status()[1]}")
+    print(f"{_common.environment()}; attention on codes: {attention_kernel.status()[1]}")
     print("DIAGNOSIS: parts timed apart (see the docstring); speed figures come from e2e_speed.py", flush=True)
 
     model, tok = load_model(args.model)
@@ -147,7 +144,7 @@ def main(argv=None):
     d = getattr(args_model, "head_dim", None) or args_model.hidden_size // n_q
 
     if args.fresh:
-        return fresh_profile(model, prompt, configs, args, machine, blas_name, attention_kernel)
+        return fresh_profile(model, prompt, configs, args, attention_kernel)
     runs = [(c, c, args.prompt) for c in configs]  # (row label, config, prompt tokens)
     if args.baseline_tokens:
         runs.append((f"kv@{args.baseline_tokens}", "kv", args.baseline_tokens))
@@ -203,12 +200,10 @@ def main(argv=None):
         rows.append({"config": c, **{p + "_ms": round(x, 3) for p, x in med.items()}})
         print(f"{c:16s} {med['step']:8.1f} {med['build']:8.1f} {med['store']:8.1f} {med['attention']:10.1f} "
               f"{med['rest']:8.1f}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"machine": machine(), "blas": blas_name(), "prompt": args.prompt, "steps": args.steps,
-                   "rounds": args.rounds, "batch_cache": args.batch_cache, "baseline_tokens": args.baseline_tokens,
-                   "kernel": attention_kernel.status()[1], "rows": rows}, f, indent=1)
-    print(f"wrote {args.out}")
+    _common.write_json(args.out, {"machine": machine(), "blas": _common.blas(), "prompt": args.prompt,
+                                  "steps": args.steps, "rounds": args.rounds, "batch_cache": args.batch_cache,
+                                  "baseline_tokens": args.baseline_tokens, "kernel": attention_kernel.status()[1],
+                                  "rows": rows})
 
 
 def _profiled(fn):
@@ -226,11 +221,9 @@ def _by_function(stats) -> dict:
     return {f"{os.path.basename(k[0])}:{k[1]}({k[2]})": (v[1], v[2]) for k, v in stats.stats.items()}
 
 
-def fresh_profile(model, prompt, configs, args, machine, blas_name, attention_kernel):
+def fresh_profile(model, prompt, configs, args, attention_kernel):
     """``--fresh R``: what a generation's first decode steps cost against its later ones, per config."""
     import mlx.core as mx
-
-    from e2e_speed import context_for, make_cache, prefill
 
     K = args.steps
     times = {c: {"prefill": [], "build": [[] for _ in range(K)], "step": [[] for _ in range(K)]} for c in configs}
@@ -293,12 +286,10 @@ def fresh_profile(model, prompt, configs, args, machine, blas_name, attention_ke
                   f"{args.cprofile} (calls in step 1 / step {args.cprofile})")
             for d, k in diff[:12]:
                 print(f"  {1e3 * d:8.2f}  {a.get(k, (0, 0))[0]:5d}/{b.get(k, (0, 0))[0]:<5d} {k}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"mode": "fresh", "machine": machine(), "blas": blas_name(), "prompt": args.prompt,
-                   "chunk": args.chunk, "steps": K, "fresh": args.fresh, "kernel": attention_kernel.status()[1],
-                   "kernel_calls": attention_kernel.calls(), "rows": rows}, f, indent=1)
-    print(f"wrote {args.out}")
+    _common.write_json(args.out, {"mode": "fresh", "machine": machine(), "blas": _common.blas(), "prompt": args.prompt,
+                                  "chunk": args.chunk, "steps": K, "fresh": args.fresh,
+                                  "kernel": attention_kernel.status()[1], "kernel_calls": attention_kernel.calls(),
+                                  "rows": rows})
 
 
 if __name__ == "__main__":

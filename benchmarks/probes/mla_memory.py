@@ -1,7 +1,7 @@
 """Bytes per token of one MLA layer (DeepSeek-V3 / Kimi K2 shape: the cache holds a 512-wide latent as "keys" and
 the 64-wide RoPE part as "values", one head) in mlx_lm's caches and ours, filled as a chunked prefill does.
 
-    python benchmarks/mla_memory.py [--tokens 4096] [--chunk 512] [--out results/mla_memory.json]
+    python -m benchmarks.probes.mla_memory [--tokens 4096] [--chunk 512] [--out results/mla_memory.json]
 
 Every stored byte counted (`veloxquant_mlx.eval.memory.stored_nbytes`), at a round token count; the latent's and
 the RoPE part's relative reconstruction error (what the layer rebuilds its keys and values from) beside it. The
@@ -10,8 +10,6 @@ here): bytes do not depend on it, the errors are indicative only.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 
 import mlx.core as mx
@@ -19,6 +17,8 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache
 from veloxquant_mlx.eval.memory import stored_nbytes
+
+from benchmarks import _common
 
 LATENT, ROPE = 512, 64  # kv_lora_rank, qk_rope_head_dim of DeepSeek-V3
 
@@ -37,10 +37,10 @@ def rel_error(a, b) -> float:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = _common.parser(__doc__, brief=True)
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--chunk", type=int, default=512)
-    p.add_argument("--out")
+    _common.add_out(p)
     a = p.parse_args(argv)
     if a.tokens < 1 or a.chunk < 1:
         p.error("--tokens and --chunk must be positive")
@@ -73,8 +73,7 @@ def main(argv=None) -> int:
         print(f"{r['cache']:38s} {r['bytes_per_token']:11.1f} {r['vs_bfloat16']:8.3f} {r['latent_error']:10.4f} "
               f"{r['rope_error']:9.4f}")
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"tokens": a.tokens, "chunk": a.chunk, "rows": rows}, f, indent=1)
+        _common.write_json(a.out, {"tokens": a.tokens, "chunk": a.chunk, "rows": rows})
     return 0
 
 
