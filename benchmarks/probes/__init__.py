@@ -12,7 +12,8 @@ docstring gives the commands) and shares the command-line, JSON and table helper
 - ``mla_memory``: bytes per token of one MLA layer (DeepSeek-V3's shape) in mlx_lm's caches and ours;
 - ``prefill_peak``: peak memory of a chunked prefill by attention setting (query block, fused exponential);
 - ``probe_quality``: quantization recipes screened by a layer-local proxy, then end to end (with the key weighting
-  of ``benchmarks/_key_weighting.py``, kept there: tests/codecs/test_key_weighting.py imports it from there);
+  of ``benchmarks/_key_weighting.py``, kept there: tests/codecs/test_key_weighting.py imports it from there; the
+  recipes themselves and their bits accounting in ``_quality_recipes.py``, a helper, not a probe);
 - ``softmax_exp``: the softmax exponential, ``mx.exp`` against ``exp2_nonpositive``;
 - ``standalone_cache``: speed of the seed pages' standalone ``TurboQuantKVCache``;
 - ``step_profile``: where a decode step's time goes (store, attention, the rest): a diagnosis, not a speed figure.

@@ -53,13 +53,7 @@ LAYERS = (
 
 # Module edges that still make a package-level loop, each with the change that removes it. The test fails when one
 # is gone (delete its entry then), so the list only shrinks; any other loop fails the test.
-PACKAGE_LOOP_EXCEPTIONS = {
-    # compat <-> cache: the seed's RVQ cache stores its exact tokens in cache/_token_store.py (owned by the cache
-    # rows work, being replaced by one slot store). Fix: move TokenStore below the cache layer (e.g.
-    # veloxquant_mlx/core/token_store.py, cache/ importing it from there), or put the seed's cache on the slot
-    # store with that store below compat.
-    ("veloxquant_mlx.compat.turboquant_rvq_cache", "veloxquant_mlx.cache._token_store"),
-}
+PACKAGE_LOOP_EXCEPTIONS: set = set()
 
 
 @dataclass(frozen=True)

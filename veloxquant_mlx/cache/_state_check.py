@@ -277,7 +277,7 @@ def restore_batch_rows(cls, state: Dict[str, Any], meta: Dict[str, Any], batch: 
         if capacity not in (None, cap):
             raise _fail(cls, f"key and value codes hold {capacity} and {cap} token slots")
         capacity = cap
-        store.arrays, store.capacity = arrays, cap
+        store.arrays = arrays  # (cap slots)
     for which, prefix in enumerate(("kfit_", "vfit_")):
         arrays = _take(cls, state, prefix)
         claimed.update(prefix + n for n in arrays)

@@ -1,25 +1,17 @@
 """What the codecs store for `Rows` (:mod:`veloxquant_mlx.cache.rows`): one codec's code slots of B rows
-(`RowCodes`), the tail's coder when a layout codes its waiting tokens (`TailCoder`, `CodedTail`'s coder), and what a
-codec declares, read once per configuration (`_layouts`); with the small array helpers the row modules share.
+(`RowCodes`, a `SlotStore` of the codec's declared layout), the tail (`CodedTail`: exact tokens in and out, stored as
+its coder codes them) and its coder when a layout codes its waiting tokens (`TailCoder`), and what a codec declares,
+read once per configuration (`_layouts`); with the small array helpers the row modules share.
 """
 from __future__ import annotations
 
-import copy
 import threading
 from typing import Dict, Optional, Sequence
 
 import mlx.core as mx
 
 from veloxquant_mlx.codecs import codec_layout
-
-
-def _round_up(n: int, step: int) -> int:
-    return -(-n // step) * step
-
-
-def fold(a: mx.array) -> mx.array:
-    """``(B, H, ...)`` -> ``(1, B*H, ...)``: codecs then treat every (sequence, head) as a head of their own."""
-    return a if a.shape[0] == 1 else a.reshape((1, a.shape[0] * a.shape[1]) + tuple(a.shape[2:]))
+from veloxquant_mlx.core.slot_store import TOKEN_AXIS, SlotStore, _round_up, fold  # noqa: F401
 
 
 def column(values: Sequence[int]) -> mx.array:
@@ -118,116 +110,110 @@ def _layouts(options, dims, heads):
     return hit
 
 
-class RowCodes:
-    """One codec's codes of B rows: arrays ``(B, H, ...)`` holding ``capacity`` token slots per row."""
+class RowCodes(SlotStore):
+    """One codec's codes of B rows: a `SlotStore` of the codec's declared layout (arrays ``(B, H, ...)`` holding
+    ``capacity`` token slots per row), grown ``grow`` slots at a time; each row's count of coded slots is its
+    owner's (`Rows.coded`)."""
 
     def __init__(self, codec, layout: dict, grow: int):
-        self.codec, self.layout, self.grow, self.block = codec, layout, grow, codec.token_block
-        self.arrays: Dict[str, mx.array] = {}
-        self.capacity = 0
+        super().__init__(grow, layout, codec.token_block)
+        self.codec = codec
 
     @property
-    def arrays(self) -> Dict[str, mx.array]:
-        return self._arrays
+    def grow(self) -> int:
+        return self.step
 
-    @arrays.setter
-    def arrays(self, value: Dict[str, mx.array]) -> None:
-        self._arrays = value
-        self._views = {}  # `folded` / `row_view` views (and `Rows._coded_part` s) of the arrays just replaced
 
-    def zeros(self, rows: int, tokens: int) -> Dict[str, mx.array]:
-        out = {}
-        for f, (axis, units, shape, dtype) in self.layout.items():
-            shape = list(shape)
-            shape[0], shape[axis] = rows, units * tokens // self.block
-            out[f] = mx.zeros(shape, dtype)
-        return out
+class CodedTail:
+    """A cache's tail: exact tokens ``{"k", "v"}`` in, exact tokens out, stored as ``coder`` codes them.
 
-    def padded(self, rows: int, capacity: int) -> Dict[str, mx.array]:
-        """The arrays grown to ``capacity`` slots (zeros after), ``self`` unchanged."""
-        if capacity <= self.capacity:
-            return self.arrays
-        extra = self.zeros(rows, capacity - self.capacity)
-        return self.codec.concat([self.arrays, extra]) if self.arrays else extra
+    ``raw`` (a plain `SlotStore`) holds what is stored: the exact arrays themselves when ``coder`` is None, else the
+    coder's per-token fields (``coder.encode({"k", "v"}) -> {field: (B, H, n, ...)}``, ``coder.decode(fields,
+    dtypes) -> {"k", "v"}``, ``coder.fields(dims) -> {field: (trailing shape, dtype)}``). What reads tokens
+    (`view`, `buffers`: attention, fitting, coding blocks) gets them decoded; what moves tokens between slots or rows
+    (roll, cut, gather, concatenate, save, load) works on ``raw`` (`live_arrays`, `load_raw`), never re-coding.
+    Bytes are ``raw``'s.
+    """
 
-    def reserve(self, rows: int, tokens: int) -> None:
-        """At least ``tokens`` slots per row (zeros: finite, never attended)."""
-        if tokens > self.capacity:
-            new = _round_up(tokens, self.grow)
-            self.arrays, self.capacity = self.padded(rows, new), new
+    def __init__(self, step: int = 256, coder=None):
+        self.raw = SlotStore(step)
+        self.coder = coder
+        self.dtypes: Dict[str, mx.Dtype] = {}  # the exact tokens' dtypes, "k" and "v" (from the first append)
 
-    def _index(self, f: str, row: int, start: int, stop: int):
-        axis, units, _, _ = self.layout[f]
-        lo, hi = start // self.block * units, stop // self.block * units
-        return (slice(row, row + 1),) + (slice(None),) * (axis - 1) + (slice(lo, hi),)
+    # -- sizes -----------------------------------------------------------------------------------
+    @property
+    def length(self) -> int:
+        return self.raw.length
 
-    def write_row(self, row: int, start: int, codes: Dict[str, mx.array], rows: int) -> None:
-        """Row ``row``'s slots from ``start`` get ``codes`` (one row, whole blocks)."""
-        n = self.codec.n_tokens(codes)
-        if rows == 1 and start == self.capacity and self.block > 1:
-            # one sequence coding its next block: append, the arrays stay exactly full and contiguous (what the
-            # scoring matmul wants), one copy of the codes per block
-            self.arrays = self.codec.concat([self.arrays, codes]) if self.arrays else dict(codes)
-            self.capacity += n
-            return
-        self.reserve(rows, start + n)
-        self._views = {}
-        for f, a in codes.items():
-            self.arrays[f][self._index(f, row, start, start + n)] = a
+    @property
+    def capacity(self) -> int:
+        return self.raw.capacity
 
-    def folded(self, n: int) -> Dict[str, mx.array]:
-        """The first ``n`` slots of every row, folded to ``(1, B*H, ...)`` (views kept until the arrays change)."""
-        hit = self._views.get(n)
-        if hit is None:
-            self._bound_views()
-            hit = {f: fold(a) for f, a in self.arrays.items()}
-            hit = self._views[n] = hit if n == self.capacity else self.codec.slice_tokens(hit, 0, n)
-        return hit
-
-    def _bound_views(self) -> None:
-        if len(self._views) >= 8:  # (trims move the ranges without replacing the arrays)
-            self._views.clear()
-
-    def row_view(self, i: int, start: int, stop: int) -> Dict[str, mx.array]:
-        """Row ``i``'s slots ``[start, stop)`` ``(1, H, ...)`` (views, the same objects until the arrays change)."""
-        key = (i, start, stop)
-        hit = self._views.get(key)
-        if hit is None:
-            self._bound_views()
-            arrays = self.arrays if self.arrays[next(iter(self.arrays))].shape[0] == 1 else \
-                {f: a[i:i + 1] for f, a in self.arrays.items()}
-            hit = self._views[key] = arrays if (start, stop) == (0, self.capacity) else \
-                self.codec.slice_tokens(arrays, start, stop)
-        return hit
-
-    def row_live(self, i: int, pin: int, gone: int, coded: int) -> Dict[str, mx.array]:
-        """Row ``i``'s live codes without the evicted hole, in their own memory (what a saved state holds)."""
-        if not coded or not self.arrays:
-            return {}
-        pieces = [self.row_view(i, 0, min(pin, coded))] if gone and pin else []
-        pieces.append(self.row_view(i, pin + gone if gone else 0, coded))
-        return {f: mx.contiguous(a) for f, a in self.codec.concat([p for p in pieces if p]).items()}
-
-    def drop(self, lo: int, hi: int) -> None:
-        """Forget slots ``[lo, hi)`` of every row (a sliding window's evicted tokens; one copy)."""
-        pieces = [self.codec.slice_tokens(self.arrays, 0, lo)] if lo else []
-        pieces.append(self.codec.slice_tokens(self.arrays, hi, self.capacity))
-        self.arrays = {f: mx.contiguous(a) for f, a in self.codec.concat(pieces).items()}
-        self.capacity -= hi - lo
-
-    def truncate(self, n: int) -> None:
-        """Keep the first ``n`` slots (rounded up to a growth step): frees trimmed or taken-away slots."""
-        cap = _round_up(n, self.grow)
-        if cap < self.capacity:
-            kept = self.codec.slice_tokens(self.arrays, 0, cap) if cap else {}
-            self.arrays, self.capacity = {f: mx.contiguous(a) for f, a in kept.items()}, cap
-
-    def copy(self) -> "RowCodes":
-        new = copy.copy(self)
-        new.arrays = {f: copy.copy(a) for f, a in self.arrays.items()}  # new objects, shared data (as TokenStore.copy)
-        return new
+    @property
+    def step(self) -> int:
+        return self.raw.step
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays.values())
+        return self.raw.nbytes
 
+    def dtype(self, name: str = "k") -> mx.Dtype:
+        return self.dtypes.get(name, mx.float32)
+
+    def fields(self, dims) -> Dict[str, tuple]:
+        """``{raw field: (trailing shape, dtype)}`` for keys / values of head dims ``dims``."""
+        if self.coder is None:
+            return {n: ((d,), self.dtype(n)) for n, d in zip("kv", dims)}
+        return self.coder.fields(dims)
+
+    # -- exact tokens in and out ------------------------------------------------------------------
+    def _encode(self, chunk: Dict[str, mx.array]) -> Dict[str, mx.array]:
+        for n, a in chunk.items():
+            self.dtypes.setdefault(n, a.dtype)
+        if self.coder is None or not chunk or next(iter(chunk.values())).shape[TOKEN_AXIS] == 0:
+            return chunk
+        return self.coder.encode(chunk)
+
+    def decode(self, raw: Dict[str, mx.array], dtypes: Optional[Dict[str, mx.Dtype]] = None) -> Dict[str, mx.array]:
+        """Raw arrays (of this store, or slices of them) -> exact ``{"k", "v"}``."""
+        if self.coder is None or not raw:
+            return raw
+        return self.coder.decode(raw, dtypes or {n: self.dtype(n) for n in "kv"})
+
+    def append(self, chunk: Dict[str, mx.array]) -> None:
+        self.raw.append(self._encode(chunk))
+
+    def load(self, arrays: Dict[str, mx.array]) -> None:
+        """Hold exact tokens ``arrays`` (coded, when coded)."""
+        self.raw.load(self._encode(arrays))
+
+    def view(self, start: int = 0, stop: Optional[int] = None) -> Dict[str, mx.array]:
+        """The live tokens ``[start, stop)``, exact (decoded when coded)."""
+        return self.decode(self.raw.view(start, stop))
+
+    @property
+    def buffers(self) -> Dict[str, mx.array]:
+        """The stored tokens as exact arrays: the arrays themselves (spare slots included) when exact, else the live
+        tokens decoded (a transient, never held)."""
+        if self.coder is None:
+            return self.raw.arrays
+        return self.decode(self.raw.view()) if self.raw.length else {}
+
+    # -- stored arrays, moved as they are ---------------------------------------------------------
+    def live_arrays(self) -> Dict[str, mx.array]:
+        """What goes into a cache's ``state``: the live part of every stored array."""
+        return self.raw.view()
+
+    def load_raw(self, arrays: Dict[str, mx.array]) -> None:
+        self.raw.load(arrays)
+
+    def trim(self, n: int) -> int:
+        return self.raw.trim(n)
+
+    def delete(self, start: int, stop: int, room: int = 1) -> None:
+        self.raw.delete(start, stop, room)
+
+    def copy(self) -> "CodedTail":
+        new = CodedTail(self.raw.step, self.coder)
+        new.raw, new.dtypes = self.raw.copy(), dict(self.dtypes)
+        return new

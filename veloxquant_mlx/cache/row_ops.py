@@ -44,7 +44,7 @@ def _take(rows: Rows, idx: List[int], out: Rows) -> Rows:
     codes = []
     for src, dst in ((rows.k_codes, out.k_codes), (rows.v_codes, out.v_codes)):
         cap = min(_round_up(max(out.coded), src.grow), src.capacity)
-        kept = (src.arrays if cap == src.capacity else src.codec.slice_tokens(src.arrays, 0, cap)) if cap else {}
+        kept = (src.arrays if cap == src.capacity else src.slice_tokens(src.arrays, 0, cap)) if cap else {}
         codes.append((dst, cap, list(kept.items())))
     L, n = rows.tail.length, max(out.tail_n)
     out.tail.dtypes = dict(rows.tail.dtypes)
@@ -58,7 +58,7 @@ def _take(rows: Rows, idx: List[int], out: Rows) -> Rows:
         out.sink = {name: next(got) for name, _ in sink}
     for dst, cap, kv in codes:
         if cap:
-            dst.arrays, dst.capacity = {f: next(got) for f, _ in kv}, cap
+            dst.arrays = {f: next(got) for f, _ in kv}  # (cap slots)
     if tail:
         out.tail.load_raw({k: next(got) for k, _ in tail})
     for which, kv in fitted:
@@ -112,8 +112,7 @@ def concat_rows(parts: Sequence[Rows]) -> Rows:
         cap = max(getattr(p, name).capacity if p.dims is not None else 0 for p in parts)
         if cap:
             pieces = [getattr(p, name).padded(p.B, cap) if p.dims is not None else store.zeros(p.B, cap) for p in parts]
-            store.arrays = {f: cat([x[f] for x in pieces]) for f in store.layout}
-            store.capacity = cap
+            store.arrays = {f: cat([x[f] for x in pieces]) for f in store.layout}  # (cap slots)
     for which in (0, 1):
         if out.B == 1:
             codec = (first.k_codec, first.v_codec)[which]
@@ -170,7 +169,7 @@ def rows_from_arrays(options, window, dims, arrays: Dict[str, Dict[str, mx.array
         rows.tail_n = [rows.tail.length] * B
     for store, name in ((rows.k_codes, "k_codes"), (rows.v_codes, "v_codes")):
         if arrays[name]:
-            store.arrays, store.capacity = dict(arrays[name]), store.codec.n_tokens(arrays[name])
+            store.arrays = dict(arrays[name])
     rows.coded = [rows.k_codes.capacity] * B
     if arrays["k_fit"] or arrays["v_fit"] or not (rows.base[0].blank_fitted(1) or rows.base[1].blank_fitted(1)):
         for which, name in ((0, "k_fit"), (1, "v_fit")):

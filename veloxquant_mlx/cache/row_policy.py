@@ -27,8 +27,7 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 from mlx_lm.models.cache import dynamic_roll
 
-from veloxquant_mlx.cache._token_store import CodedTail
-from veloxquant_mlx.cache.row_codes import RowCodes, TailCoder, _layouts, column
+from veloxquant_mlx.cache.row_codes import CodedTail, RowCodes, TailCoder, _layouts, column
 from veloxquant_mlx.cache.row_views import RowViews
 
 CODE_STEP = 256  # code slots added at a time for per-token codecs (block codecs grow one block at a time)

@@ -1,7 +1,8 @@
 """`Rows`: the one storage engine behind every packed cache, one module per job (each importing only the ones
 listed before it):
 
-- `row_codes`: what the codecs store: one codec's code slots of B rows (`RowCodes`), the tail's coder (`TailCoder`),
+- `row_codes`: what the codecs store: one codec's code slots of B rows (`RowCodes`), the tail (`CodedTail`) and its
+  coder (`TailCoder`), both on the one slot store (`veloxquant_mlx.core.slot_store.SlotStore`),
   what a codec declares, read once per configuration (`_layouts`, its cache `_LAYOUTS`), the shared helpers;
 - `row_views`: the attention parts of the rows (`attention_parts`, `part_masks`, `row_parts`: `RowViews`, a mixin
   `Rows` inherits);
@@ -24,12 +25,11 @@ from mlx_lm.models.cache import dynamic_roll  # noqa: F401
 
 from veloxquant_mlx.attention.kernel import gather_rows  # noqa: F401
 from veloxquant_mlx.attention.packed_sdpa import CodedPart, ExactPart  # noqa: F401
-from veloxquant_mlx.cache._token_store import CodedTail  # noqa: F401
 from veloxquant_mlx.codecs import codec_layout  # noqa: F401
 
 # The submodules, and their names (classes, functions and constants: the same objects, nothing to go stale).
 from veloxquant_mlx.cache import row_codes
-from veloxquant_mlx.cache.row_codes import RowCodes, TailCoder, _layouts, _round_up, column, fold  # noqa: F401
+from veloxquant_mlx.cache.row_codes import CodedTail, RowCodes, TailCoder, _layouts, _round_up, column, fold  # noqa: F401
 from veloxquant_mlx.cache.row_views import RowViews  # noqa: F401
 from veloxquant_mlx.cache.row_policy import CODE_STEP, COUNTS, TAIL_STEP, Rows  # noqa: F401
 from veloxquant_mlx.cache.row_ops import _take, concat_rows, row_arrays, rows_from_arrays, take_rows  # noqa: F401

@@ -33,11 +33,11 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, create_attention_mask
 
-from veloxquant_mlx.cache._token_store import TokenStore
 from veloxquant_mlx.codecs._common import FLOAT16_MAX
 from veloxquant_mlx.codecs.lloyd_max import get_quantizer
 from veloxquant_mlx.config import KVCacheConfig
 from veloxquant_mlx.core.context import EncodedVector
+from veloxquant_mlx.core.slot_store import SlotStore
 from veloxquant_mlx.dsa.bit_pack import packed_words
 from veloxquant_mlx.quantizers._common import to_output_dtype
 from veloxquant_mlx.validate import check_heads
@@ -181,7 +181,7 @@ class TurboQuantRVQKVCache(KVCache):
         self._quantizer = get_quantizer(
             "turboquant_rvq", config.head_dim, config.bit_width_inlier, config.seed, config.rotation, None
         )
-        self._store = TokenStore(self.step)
+        self._store = SlotStore(self.step)
         self._compressed_key_bytes = 0
         self._fp16_key_bytes = 0
 
@@ -360,7 +360,7 @@ class TurboQuantRVQKVCache(KVCache):
         check_state_arrays(arrays, config.head_dim, config.bit_width_inlier, meta["offset"], _NORM_DTYPE)
         cache = cls(config)
         if arrays["indices"] is not None:
-            cache._store = TokenStore.from_arrays({f: mx.array(a) for f, a in arrays.items()}, cls.step)
+            cache._store = SlotStore.from_arrays({f: mx.array(a) for f, a in arrays.items()}, cls.step)
             keys = (arrays["indices"], arrays["indices2"], arrays["norms"])
             cache._compressed_key_bytes = sum(a.nbytes for a in keys)
             cache._fp16_key_bytes = arrays["norms"].size * config.head_dim * 2

@@ -1,0 +1,139 @@
+"""The research configurations of ``benchmarks/quality.py`` (``--configs NAME``): `OURS`, name -> make_prompt_cache
+options, beside the baselines and the registered configurations (``veloxquant_mlx.eval.specs.CONFIGURATIONS``), and
+the two helpers that build issue 47's entries (`_tail_layout`, `_budget_variant`).
+
+``quality.py`` imports it (``from _quality_configs import OURS, ...``: the script's folder is first on ``sys.path``)
+after OpenBLAS is preloaded, since this module imports veloxquant_mlx, so MLX, at module level; the names stay
+importable from ``quality`` (``quality.OURS``).
+"""
+from __future__ import annotations
+
+from veloxquant_mlx.codecs import CODECS, CodecLayout
+from veloxquant_mlx.codecs.kblock_tail import TailedBlockKeyCodec, TailedSymValueCodec
+from veloxquant_mlx.options import preset
+
+
+# Issue 47's research layouts: the budget layout with its waiting keys' provisional codes at b + E bits (the
+# registered "kblock_vsym8_pt" is E = TAIL_EXTRA_BITS). Registered for this process only.
+def _tail_layout(extra: int) -> str:
+    name = f"kblock_vsym8_pt{extra}"
+    if name not in CODECS:
+        cls = type(f"TailedBlockKeyCodec{extra}", (TailedBlockKeyCodec,), {"TAIL_EXTRA_BITS": extra})
+        CODECS[name] = CodecLayout(cls, TailedSymValueCodec)
+    return name
+
+
+def _budget_variant(bits: int, **changes) -> dict:
+    """tq-{bits}b's options with ``changes`` (as make_prompt_cache keywords)."""
+    return {**{k: (list(v) if isinstance(v, tuple) else v) for k, v in preset(f"tq-{bits}b").to_dict().items()
+               if k not in ("calibration_id", "channel_log2", "head_dim")}, **changes}
+
+
+# Our configurations: name -> make_prompt_cache options. Bits in the names are K/V code bits;
+# "o8" = 8 key outlier channels at 8 bits; "r16" = last 16 tokens exact; "s4" = 4 sink tokens exact.
+OURS = {
+    "k4v4": dict(k_bits=4, v_bits=4),
+    "k4v4-nc": dict(k_bits=4, v_bits=4, center_keys=False, center_values=False),
+    "k5v3": dict(k_bits=5, v_bits=3),
+    "k5v3-o8": dict(k_bits=5, v_bits=3, n_outlier_channels=8, outlier_bits=8),
+    "k4v3-o8": dict(k_bits=4, v_bits=3, n_outlier_channels=8, outlier_bits=8),
+    "k4v4-o8": dict(k_bits=4, v_bits=4, n_outlier_channels=8, outlier_bits=8),
+    "k5v4": dict(k_bits=5, v_bits=4),
+    "k4v4-s4r16": dict(k_bits=4, v_bits=4, sink=4, recent=16, trim_headroom=0),
+    # layer 1 (the most sensitive in FINDINGS.md) gets 6-bit keys; SmolLM2 has 30 layers
+    "k4v4-L1k6": dict(k_bits=[4, 6] + [4] * 28, v_bits=4),
+    "k4v2": dict(k_bits=4, v_bits=2),
+    "k4v2-o8": dict(k_bits=4, v_bits=2, n_outlier_channels=8, outlier_bits=8),
+    "k3v2-o8": dict(k_bits=3, v_bits=2, n_outlier_channels=8, outlier_bits=8),
+    "k3v1-o8": dict(k_bits=3, v_bits=1, n_outlier_channels=8, outlier_bits=8),
+    "k2v2": dict(k_bits=2, v_bits=2),
+    "k3v1": dict(k_bits=3, v_bits=1),
+    "k5v3-o8-s4r16": dict(k_bits=5, v_bits=3, n_outlier_channels=8, outlier_bits=8, sink=4, recent=16,
+                          trim_headroom=0),
+    "prod-k5v3": dict(method="turboquant_prod", k_bits=5, v_bits=3),
+    "rvq-k2v2": dict(method="turboquant_rvq", k_bits=2, v_bits=2),
+    # The registered configurations (veloxquant_mlx.eval.specs): first 4 tokens exact.
+    "k4v4-s4": dict(k_bits=4, v_bits=4, sink=4),
+    "k3v3-s4": dict(k_bits=3, v_bits=3, sink=4),
+    "k2v2-s4": dict(k_bits=2, v_bits=2, sink=4),
+    "k4v4-o8-s4": dict(k_bits=4, v_bits=4, n_outlier_channels=8, outlier_bits=8, sink=4),
+    "k3v3-o8-s4": dict(k_bits=3, v_bits=3, n_outlier_channels=8, outlier_bits=8, sink=4),
+    "rvq-k2v2-s4": dict(method="turboquant_rvq", k_bits=2, v_bits=2, sink=4),
+    # The affine codecs made for attention on codes (veloxquant_mlx.attention): rotated MLX affine codes,
+    # keys per token ("aff") or per channel over 64-token blocks ("blk", up to 71 newest tokens exact).
+    "aff-k4v4": dict(k_bits=4, v_bits=4, codec="affine"),
+    "aff-k4v4-s4": dict(k_bits=4, v_bits=4, codec="affine", sink=4),
+    "blk-k4v4": dict(k_bits=4, v_bits=4, codec="affine_block"),
+    "blk-k4v4-s4": dict(k_bits=4, v_bits=4, codec="affine_block", sink=4),
+    "blk-k3v3-s4": dict(k_bits=3, v_bits=3, codec="affine_block", sink=4),
+    "blk-k8v4-s4": dict(k_bits=8, v_bits=4, codec="affine_block", sink=4),
+    # Budget research (issue 16). "-a" = block-aligned: no sink and trim_headroom=0, so at a multiple of the
+    # 64-token key block nothing is held exact (a sink of 4 would leave 60 float32 tokens at 2048: +0.94 bit).
+    # "Lv4" = 4-bit values in the first and last two layers; "Lk6" = 6-bit keys in layers 0 and 1 (the most
+    # sensitive in FINDINGS.md).
+    "blk-k4v4-a": dict(k_bits=4, v_bits=4, codec="affine_block", trim_headroom=0),
+    "blk-k4v3-a": dict(k_bits=4, v_bits=3, codec="affine_block", trim_headroom=0),
+    "blk-k4v3-a-Lv4": dict(k_bits=4, v_bits=[4, 4] + [3] * 26 + [4, 4], codec="affine_block", trim_headroom=0),
+    "blk-k4v3-a-Lk6v4": dict(k_bits=[6, 6] + [4] * 28, v_bits=[4, 4] + [3] * 26 + [4, 4], codec="affine_block",
+                             trim_headroom=0),
+    "blk-k3v3-a": dict(k_bits=3, v_bits=3, codec="affine_block", trim_headroom=0),
+    "blk-k4v2-a": dict(k_bits=4, v_bits=2, codec="affine_block", trim_headroom=0),
+    "blk-k3v2-a": dict(k_bits=3, v_bits=2, codec="affine_block", trim_headroom=0),
+    "blk-k2v2-a": dict(k_bits=2, v_bits=2, codec="affine_block", trim_headroom=0),
+    "lm-k4v3-s4": dict(k_bits=4, v_bits=3, sink=4),
+    "lm-k3v3-nc": dict(k_bits=3, v_bits=3, center_keys=False, center_values=False),
+    "lm-k2v2-nc": dict(k_bits=2, v_bits=2, center_keys=False, center_values=False),
+    "lm-k3v1-cv0": dict(k_bits=3, v_bits=1, center_values=False),
+    # affine_block_kv: keys and values per rotated channel over token blocks; "g128" = 128-token blocks (0.25 bit
+    # of scales), "nc" = no centring (per-channel biases absorb the means; saves the fitted means' bytes).
+    "bkv-k4v4-g128": dict(k_bits=4, v_bits=4, codec="affine_block_kv", group_size=128, trim_headroom=0,
+                          center_keys=False, center_values=False),
+    "bkv-k4v4-g128-c": dict(k_bits=4, v_bits=4, codec="affine_block_kv", group_size=128, trim_headroom=0),
+    "bkv-k4v4-g64": dict(k_bits=4, v_bits=4, codec="affine_block_kv", group_size=64, trim_headroom=0,
+                         center_keys=False, center_values=False),
+    "bkv-k4v4-g128-s4": dict(k_bits=4, v_bits=4, codec="affine_block_kv", group_size=128, trim_headroom=0,
+                             center_keys=False, center_values=False, sink=4),
+    **{f"bkv-k{kb}v{vb}-g128": dict(k_bits=kb, v_bits=vb, codec="affine_block_kv", group_size=128, trim_headroom=0,
+                                    center_keys=False, center_values=False) for kb, vb in ((3, 3), (4, 2), (2, 2))},
+    # "mse" = affine_block_kv_mse: each group's range clipped to the least-squared-error fraction of its min-max.
+    **{f"mse-k{kb}v{vb}-g128": dict(k_bits=kb, v_bits=vb, codec="affine_block_kv_mse", group_size=128,
+                                    trim_headroom=0, center_keys=False, center_values=False)
+       for kb, vb in ((4, 4), (3, 3), (2, 2))},
+    # "kbl" = kblock_vlloyd: clipped per-channel keys over 128-token blocks, Lloyd-Max values per token.
+    **{f"kbl-k{kb}v{vb}": dict(k_bits=kb, v_bits=vb, codec="kblock_vlloyd", group_size=128, trim_headroom=0,
+                               center_keys=False, center_values=False) for kb, vb in ((4, 4), (3, 3), (2, 2), (3, 1))},
+    # "kbs" = kblock_vsym: the same keys, symmetric scale-only values per token (attention on codes throughout).
+    **{f"kbs-k{kb}v{vb}": dict(k_bits=kb, v_bits=vb, codec="kblock_vsym", group_size=128, trim_headroom=0,
+                               center_keys=False, center_values=False) for kb, vb in ((4, 4), (3, 3), (2, 2))},
+    # Issue 28's screens of the exact first token: "-s1" = 1 sink token, "kbs8" = kblock_vsym8 (one-byte value scales,
+    # what tq-Nb are with -s1), "-L5k..." = 5-bit keys in those layers.
+    **{f"kbs-k{b}v{b}-s1": dict(k_bits=b, v_bits=b, codec="kblock_vsym", group_size=128, trim_headroom=0,
+                                center_keys=False, center_values=False, sink=1) for b in (4, 3, 2)},
+    **{f"kbs8-k{kb}v{vb}-s{s}": dict(k_bits=kb, v_bits=vb, codec="kblock_vsym8", group_size=128, trim_headroom=0,
+                                     center_keys=False, center_values=False, sink=s)
+       for kb, vb, s in ((4, 4, 0), (4, 4, 1), (8, 4, 1), (4, 8, 1))},
+    "kbs-k4v4-s4": dict(k_bits=4, v_bits=4, codec="kblock_vsym", group_size=128, trim_headroom=0, center_keys=False,
+                        center_values=False, sink=4),
+    **{f"kbs8-k4v4-s1-L5k{'-'.join(map(str, layers))}": dict(
+        k_bits=[5 if i in layers else 4 for i in range(30)], v_bits=4, codec="kblock_vsym8", group_size=128,
+        trim_headroom=0, center_keys=False, center_values=False, sink=1) for layers in ((1, 16), (0, 1, 16, 19))},
+    # Issue 47's tail levers on the budget presets (tq-Nb = "-ptc1"): "-exact" = waiting tokens exact (float32 here,
+    # the layout before issue 47); "-ptE" = waiting keys provisionally coded at b + E bits, values coded on arrival.
+    **{f"tq{b}-exact": _budget_variant(b, codec="kblock_vsym8", center_keys=False) for b in (4, 3, 2)},
+    **{f"tq{b}-pt{e}": _budget_variant(b, codec=_tail_layout(e), center_keys=False) for b in (4, 3, 2)
+       for e in (0, 1, 2)},
+    # "-ptcE": the same, the provisional keys centred on each sequence's key mean (fitted on its first tokens).
+    **{f"tq{b}-ptc{e}": _budget_variant(b, codec=_tail_layout(e), center_keys=True) for b in (4, 3, 2)
+       for e in (0, 1, 2)},
+    # A recent window inside the budget, its best case: values one bit coarser than the keys, the waiting tokens
+    # exact (an 8-bit window costs ~0.5 bit at 2048: K4/V3 + 8-bit window = 3.96 bits, K3/V2 = 3.02); or keys one
+    # bit coarser.
+    **{f"tq{b}-exact-v{b - 1}": _budget_variant(b, codec="kblock_vsym8", center_keys=False, v_bits=b - 1)
+       for b in (4, 3)},
+    **{f"tq{b}-exact-k{b - 1}": _budget_variant(b, codec="kblock_vsym8", center_keys=False, k_bits=b - 1)
+       for b in (4, 3)},
+    # The seed's cache: two b-bit RVQ key streams, float16 values.
+    "seed-rvq-b1": dict(kind="rvq", k_bits=1),
+    "seed-rvq-b2": dict(kind="rvq", k_bits=2),
+    "seed-rvq-b3": dict(kind="rvq", k_bits=3),
+}
