@@ -9,7 +9,6 @@ chunk one sequence at a time), ``filter`` / ``extend`` / ``extract`` / ``trim``,
 from __future__ import annotations
 
 import collections
-import json
 from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
@@ -17,12 +16,11 @@ from mlx_lm.models.base import create_causal_mask
 
 from veloxquant_mlx.attention import hook as _hook
 from veloxquant_mlx.attention.packed_sdpa import attend_one_query, packed_attention
-from veloxquant_mlx.cache import _state_check as _state
-from veloxquant_mlx.cache._face import _PackedFace, _check_pair, _check_window, _trim_rows
+from veloxquant_mlx.cache import saved_state
+from veloxquant_mlx.cache._face import _PackedFace, _check_pair, _trim_rows
 from veloxquant_mlx.cache.rows import Rows, concat_rows, take_rows
+from veloxquant_mlx.cache.saved_state import BATCH_FORMAT  # noqa: F401  (of a batch cache's ``state``)
 from veloxquant_mlx.validate import FLOAT_DTYPES, check_int
-
-BATCH_FORMAT = 1  # of a batch cache's ``state``
 
 
 _last_masks = (None, None)  # (key, folded part masks): every layer of one decode step has the same rows
@@ -306,41 +304,13 @@ class _BatchFace(_PackedFace):
 
     def _state(self) -> Dict[str, Any]:
         """Every array held, as stored (no copies: mlx_lm evaluates this between steps), and a JSON ``meta`` with
-        the options and each row's token counts; `from_state` rebuilds the batch from it."""
-        r = self.rows
-        meta = {"format": BATCH_FORMAT, "class": type(self).__name__, "options": self.options.to_dict(),
-                "cache": self._cache_meta(), "dims": list(r.dims) if r.dims else None, "heads": r.heads,
-                "rows": {**{n: list(getattr(r, n)) for n in _state.BATCH_ROWS}, "start": list(r.gone),
-                         "fitted": list(r.fitted)},
-                "mid_prompt": self._pending is not None or self._lead is not None}
-        out: Dict[str, Any] = {"meta": json.dumps(meta, sort_keys=True)}
-        if r.dims is None:
-            return out
-        for prefix, arrays in (("s_", r.sink or {}), ("t_", r.tail.live_arrays() if r.tail.length else {}),
-                               ("ck_", r.k_codes.arrays), ("cv_", r.v_codes.arrays),
-                               ("kfit_", r.fitted_rows(0)), ("vfit_", r.fitted_rows(1))):
-            out.update({prefix + n: a for n, a in arrays.items()})
-        return out
+        the options and each row's token counts (`saved_state.batch_state`); `from_state` rebuilds the batch."""
+        return saved_state.batch_state(self)
 
     @classmethod
     def from_state(cls, state, meta_state=None):
         """Rebuild a batch from its ``state``. Each row is read out as the per-sequence cache `extract` gives and
         checked by that class's own `from_state` (so a batch believes no more than a sequence alone); the batch
         then holds the arrays as saved: each row continues exactly as it would have. Refuses, naming the array,
-        what does not add up."""
-        options, kwargs, meta = _state.read_batch_meta(cls, state)
-        window = (kwargs.pop("max_size"), kwargs.pop("keep")) if "max_size" in kwargs else None
-        if window is not None:
-            window = _check_window(options, *window)
-        batch = cls(options, len(meta["rows"]["lengths"]), window=window, **kwargs)
-        batch.rows = _state.restore_batch_rows(cls, state, meta, batch.rows)
-        if batch.rows.dims is None or not batch.B:
-            batch._set_offset()
-            return batch
-        for i in range(batch.B):
-            try:
-                cls._single.from_state(batch.extract(i).state)
-            except ValueError as e:
-                raise ValueError(f"{cls.__name__} state: row {i}: {e}") from None
-        batch._set_offset()
-        return batch
+        what does not add up (`saved_state.restore_batch`)."""
+        return saved_state.restore_batch(cls, state)

@@ -21,7 +21,6 @@ that lived here before that split are still importable from here.
 """
 from __future__ import annotations
 
-import json
 import warnings
 from typing import Any, Dict, List, Optional
 
@@ -33,10 +32,10 @@ from mlx_lm.models.cache import create_attention_mask
 from veloxquant_mlx.attention import hook as _hook
 from veloxquant_mlx.attention.packed_sdpa import attend_one_query, packed_attention
 from veloxquant_mlx.cache import _batch
-from veloxquant_mlx.cache import _state_check as _state
+from veloxquant_mlx.cache import saved_state
 from veloxquant_mlx.cache._batch import _BatchFace
 from veloxquant_mlx.cache._face import _PackedFace, _check_pair, _check_window, _decode, _trim_rows
-from veloxquant_mlx.cache.rows import Rows, row_arrays
+from veloxquant_mlx.cache.rows import Rows
 from veloxquant_mlx.codecs import check_codable, codec_layout
 from veloxquant_mlx.options import resolve_options
 from veloxquant_mlx.validate import FLOAT_DTYPES, check_bool, check_int
@@ -50,17 +49,13 @@ from typing import Tuple  # noqa: F401
 from mlx_lm.models.cache import _BaseCache  # noqa: F401
 
 from veloxquant_mlx.attention.packed_sdpa import ExactPart  # noqa: F401
-from veloxquant_mlx.cache._batch import (BATCH_FORMAT, _ONE_TOKEN, _folded_part_masks,  # noqa: F401
-                                         _requested_window, _window_mask)
+from veloxquant_mlx.cache._batch import _ONE_TOKEN, _folded_part_masks, _requested_window, _window_mask  # noqa: F401
+from veloxquant_mlx.cache.rows import row_arrays  # noqa: F401
+from veloxquant_mlx.cache.saved_state import BATCH_FORMAT, FORMAT  # noqa: F401  (the formats of `state`)
 from veloxquant_mlx.cache._face import _weight_arrays  # noqa: F401
 from veloxquant_mlx.cache._pipeline import PipelineDependency  # noqa: F401
 from veloxquant_mlx.cache.rows import concat_rows, take_rows  # noqa: F401
 from veloxquant_mlx.validate import check_heads  # noqa: F401
-
-# of a single cache's ``state``; formats 1 (config + options) and 2 are still read, except turboquant_prod codes:
-# format 3 changed their QJL sketch (orthogonal rows), so older prod codes would decode wrongly
-FORMAT = 3
-
 
 class TurboQuantPackedCache(_PackedFace):
     """mlx_lm-compatible KV cache storing keys and values as codes.
@@ -250,28 +245,13 @@ class TurboQuantPackedCache(_PackedFace):
         return 8.0 * self.live_nbytes / (self.rows.B * self.rows.heads * self._stored() * sum(self.dims))
 
     def _state(self) -> Dict[str, Any]:
-        r = self.rows
-        meta = {"format": FORMAT, "class": type(self).__name__, "options": self.options.to_dict(),
-                "cache": self._cache_meta(), "offset": self.offset, "dims": list(r.dims) if r.dims else None,
-                "stores": {"codes": self.n_coded, "sink": r.sink_n[0], "tail": r.tail_n[0]}}
-        out: Dict[str, Any] = {"meta": json.dumps(meta, sort_keys=True)}
-        per_row = [row_arrays(r, i) for i in range(r.B)]
-        arrays = per_row[0] if r.B == 1 else {  # sequences in lockstep: their arrays share every shape
-            name: {f: mx.concatenate([p[name][f] for p in per_row], axis=0) for f in per_row[0][name]}
-            for name in per_row[0]}
-        names = ("sink", "tail", "k_codes", "v_codes", "k_fit", "v_fit")
-        for prefix, name in zip(_state.single_prefixes(r.block), names):
-            out.update({prefix + f: a for f, a in arrays[name].items()})
-        return out
+        return saved_state.single_state(self)
 
     @classmethod
     def from_state(cls, state, meta_state=None):
         """Rebuild from ``state`` alone (what mlx_lm's ``load_prompt_cache`` passes); refuses, naming the array,
-        a state whose arrays do not match its options, dims and token counts."""
-        options, kwargs, meta = _state.read_meta(cls, state)
-        cache = cls(options, **kwargs)
-        cache.rows = _state.restore_rows(cls, state, meta, options, cache.window)
-        return cache
+        a state whose arrays do not match its options, dims and token counts (`saved_state.restore_single`)."""
+        return saved_state.restore_single(cls, state)
 
 
 class TurboQuantRotatingPackedCache(TurboQuantPackedCache):

@@ -1,5 +1,7 @@
 """Rows in, rows out (`Rows`: :mod:`veloxquant_mlx.cache.rows`): a batch's rows taken (`take_rows`), batches
-joined (`concat_rows`), one row's arrays as a saved state holds them (`row_arrays`) and back (`rows_from_arrays`).
+joined (`concat_rows`), one row's arrays as a saved state holds them (`row_arrays`) and back (`rows_from_arrays`),
+a batch's arrays as stored back into rows (`batch_rows_from_arrays`): the public constructors the saved states
+(:mod:`veloxquant_mlx.cache.saved_state`) build `Rows` with.
 """
 from __future__ import annotations
 
@@ -179,4 +181,27 @@ def rows_from_arrays(options, window, dims, arrays: Dict[str, Dict[str, mx.array
             codec = rows.base[which].with_fitted(fit)
             rows.k_codec, rows.v_codec = (codec, rows.v_codec) if which == 0 else (rows.k_codec, codec)
         rows.fitted = [True] * B
+    return rows
+
+
+def batch_rows_from_arrays(options, window, dims, heads: int, arrays: Dict[str, Dict[str, mx.array]],
+                           counts: Dict[str, List]) -> Rows:
+    """The `Rows` of a batch's arrays as it stores them (already checked against ``options``, ``dims`` and
+    ``counts``): ``sink`` (every slot), ``tail`` (right-aligned), ``k_codes`` / ``v_codes`` (their slots),
+    ``k_fit`` / ``v_fit`` (``(B*H, ...)``), each ``{}`` when empty; ``counts``: each row's `COUNTS` and ``fitted``."""
+    rows = Rows(options, len(counts["lengths"]), window)
+    rows.setup(*dims, heads)
+    if arrays["sink"]:
+        rows.sink = dict(arrays["sink"])
+        rows.tail.dtypes = {n: a.dtype for n, a in arrays["sink"].items()}
+    if arrays["tail"]:
+        rows.tail.load_raw(dict(arrays["tail"]))
+        if rows.tail.coder is None:
+            rows.tail.dtypes = {n: a.dtype for n, a in arrays["tail"].items()}
+    for store, name in ((rows.k_codes, "k_codes"), (rows.v_codes, "v_codes")):
+        store.arrays = dict(arrays[name])  # (its slots)
+    rows.k_codec = rows.base[0].with_fitted(arrays["k_fit"])
+    rows.v_codec = rows.base[1].with_fitted(arrays["v_fit"])
+    for name in COUNTS + ("fitted",):
+        setattr(rows, name, list(counts[name]))
     return rows

@@ -8,7 +8,8 @@ listed before it):
   `Rows` inherits);
 - `row_policy`: `Rows` itself (the layout ``[sink | codes | tail]`` is its module docstring): counts, when to code,
   fits, eviction, trim, bytes and copies;
-- `row_ops`: rows in, rows out (`take_rows`, `concat_rows`, `row_arrays`, `rows_from_arrays`).
+- `row_ops`: rows in, rows out (`take_rows`, `concat_rows`, `row_arrays`, `rows_from_arrays`,
+  `batch_rows_from_arrays`).
 
 Every name this module had when it held all of them stays importable from here (the same objects). The layouts'
 cache `_LAYOUTS` lives in `row_codes` alone and is read there on every access (`__getattr__` below).
@@ -32,7 +33,8 @@ from veloxquant_mlx.cache import row_codes
 from veloxquant_mlx.cache.row_codes import CodedTail, RowCodes, TailCoder, _layouts, _round_up, column, fold  # noqa: F401
 from veloxquant_mlx.cache.row_views import RowViews  # noqa: F401
 from veloxquant_mlx.cache.row_policy import CODE_STEP, COUNTS, TAIL_STEP, Rows  # noqa: F401
-from veloxquant_mlx.cache.row_ops import _take, concat_rows, row_arrays, rows_from_arrays, take_rows  # noqa: F401
+from veloxquant_mlx.cache.row_ops import (_take, batch_rows_from_arrays, concat_rows, row_arrays,  # noqa: F401
+                                        rows_from_arrays, take_rows)
 
 
 def __getattr__(name: str):
