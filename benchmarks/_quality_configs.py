@@ -117,7 +117,7 @@ OURS = {
     **{f"kbs8-k4v4-s1-L5k{'-'.join(map(str, layers))}": dict(
         k_bits=[5 if i in layers else 4 for i in range(30)], v_bits=4, codec="kblock_vsym8", group_size=128,
         trim_headroom=0, center_keys=False, center_values=False, sink=1) for layers in ((1, 16), (0, 1, 16, 19))},
-    # Issue 47's tail levers on the budget presets (tq-Nb = "-ptc1"): "-exact" = waiting tokens exact (float32 here,
+    # Issue 47's tail levers on the budget presets (tq-Nb = "-exact"): "-exact" = waiting tokens exact (float32 here,
     # the layout before issue 47); "-ptE" = waiting keys provisionally coded at b + E bits, values coded on arrival.
     **{f"tq{b}-exact": _budget_variant(b, codec="kblock_vsym8", center_keys=False) for b in (4, 3, 2)},
     **{f"tq{b}-pt{e}": _budget_variant(b, codec=_tail_layout(e), center_keys=False) for b in (4, 3, 2)

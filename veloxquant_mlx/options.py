@@ -299,21 +299,22 @@ def _tq(method: str, k_bits: int, v_bits: int, codec: str = "lloyd_max") -> Cach
     return CacheOptions(method=method, k_bits=k_bits, v_bits=v_bits, sink=SINK_TOKENS, codec=codec)
 
 
-# The budget configurations of issues 16, 28 and 47: the best measured configuration within each bit budget, every
-# stored byte counted at the lengths users run (2048, 3000, 4096 tokens: `veloxquant_mlx.eval.memory.measure_bits`;
-# bits per coordinate averaged over K and V). Layout "kblock_vsym8_pt": keys per rotated channel over 128-token
-# blocks with least-squared-error clipped ranges (0.25 bit of float16 scale and bias), values per token with
-# symmetric levels and one one-byte log-grid scale per 64 coordinates (0.125 bit), attention on the codes
-# throughout; the up to 127 tokens waiting for their key block are codes too (values coded on arrival, keys as
-# per-token codes one bit finer, recoded into their block). Held exact (float32 here), the waiting tokens cost
-# ~1.7 bits at 2048 tokens (5.9 bits for a "4-bit" cache). The keys are centred on each sequence's mean (fitted on
-# its first tokens): the blocks' biases absorb it anyway, but the provisional per-token codes then spend their
-# levels on what varies between tokens (issue 47: KL 0.021 -> 0.017 / 0.089 -> 0.065 at 4 bits, 0.109 -> 0.079 /
-# 0.35 -> 0.27 at 3 bits, on the two corpora at 2048 tokens; BENCHMARKS.md). One exact sink token (the first, which
-# most heads attend to): on SmolLM2 it more than halves the KL at every budget (issue 28).
+# The budget configurations of issues 16, 28 and 47: the best measured configuration within each bit budget at 1 + a
+# multiple of 128 tokens (bits per coordinate averaged over K and V, every stored byte counted). Layout
+# "kblock_vsym8": keys per rotated channel over 128-token blocks with least-squared-error clipped ranges (0.25 bit
+# of float16 scale and bias), values per token with symmetric levels and one one-byte log-grid scale per 64
+# coordinates (0.125 bit), attention on the codes throughout. One exact sink token (the first, which most heads
+# attend to): on SmolLM2 it more than halves the KL at every budget (issue 28). trim_headroom=0 codes a block as
+# soon as it is complete; up to 127 newest tokens wait exact in between, so at other lengths the names do not hold
+# (5.9 bits at 2048 for tq-4b: `veloxquant_mlx.eval.memory.measure_bits`). Issue 47's layout "kblock_vsym8_pt" with
+# center_keys=True codes the waiting tokens too (keys per token centred on the sequence's mean) and holds the names
+# at every length, but is not the presets' yet: it decodes its coded tail at every step (0.82x the plain cache's
+# decode at 4096 tokens on SmolLM2, where this layout gains) and, with every token of a short chat coded, changes
+# SmolLM2's answer to the demo question (BENCHMARKS.md, issue 47). No centring here: the keys' per-channel biases
+# absorb their means.
 def _budget(bits: int) -> CacheOptions:
-    return CacheOptions(codec="kblock_vsym8_pt", k_bits=bits, v_bits=bits, group_size=128, trim_headroom=0,
-                        center_keys=True, center_values=False, sink=1)
+    return CacheOptions(codec="kblock_vsym8", k_bits=bits, v_bits=bits, group_size=128, trim_headroom=0,
+                        center_keys=False, center_values=False, sink=1)
 
 
 # budget preset name -> its budget in bits per coordinate (every stored byte counted)

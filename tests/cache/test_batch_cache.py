@@ -38,8 +38,13 @@ CONFIGS = {
     # exact recent windows: per-token codes read the tail's older tokens through a round trip; block codes wait
     "affine-recent": CacheOptions(codec="affine", k_bits=4, v_bits=4, sink=4, recent=6, trim_headroom=3),
     "affine_block-k8v4-recent": dataclasses.replace(CONFIGURATIONS["tq-affine-k8v4"], recent=8),
-    # the budget layout: tokens waiting for their 128-token key block stored as codes (provisional keys, values)
-    "kblock_vsym8_pt-k4v4": CONFIGURATIONS["tq-4b"],
+    # the budget presets' layout: tokens waiting for their key block exact
+    "kblock_vsym8-k4v4": CONFIGURATIONS["tq-4b"],
+    # issue 47's layout: tokens waiting for their key block stored as codes (provisional keys, values), the keys
+    # centred on each sequence's own mean (fitted on arrival)
+    "kblock_vsym8_pt-k4v4": dataclasses.replace(CONFIGURATIONS["tq-4b"], codec="kblock_vsym8_pt"),
+    "kblock_vsym8_pt-k4v4-centred": dataclasses.replace(CONFIGURATIONS["tq-4b"], codec="kblock_vsym8_pt",
+                                                        center_keys=True),
 }
 RNG = np.random.default_rng(5)
 LENGTHS = (3, 80, 41, 150, 20, 7, 100, 1)  # around the sink (4) and 32-token blocks
