@@ -6,6 +6,7 @@ docstring gives the commands) and shares the command-line, JSON and table helper
 - ``baselines``: mlx-lm's own caches (KVCache, QuantizedKVCache 8/4/2 bits) measured before ours existed;
 - ``calibration``: calibrated caches against uncalibrated ones, and the calibration's levers;
 - ``chunk_prefill``: a short prompt chunk on top of a history, as a server's prompt cache sees it;
+- ``coded_tail``: issue 47's coded tail: provisional keys centred or not, short-chat answers, kernel parity;
 - ``distortion``: the quantizers' distortion, bytes and throughput on random unit vectors (the paper's figures);
 - ``generate_peak``: peak memory of mlx_lm's ``generate_step`` after ``enable(model)``, per registered method;
 - ``layer_sensitivity``: where a budget configuration's KL comes from, layer by layer (issue 28's diagnosis);

@@ -117,7 +117,6 @@ class RowCodes(SlotStore):
 
     def __init__(self, codec, layout: dict, grow: int):
         super().__init__(grow, layout, codec.token_block)
-        self.codec = codec
 
     @property
     def grow(self) -> int:
