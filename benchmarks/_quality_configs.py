@@ -132,6 +132,12 @@ OURS = {
        for b in (4, 3)},
     **{f"tq{b}-exact-k{b - 1}": _budget_variant(b, codec="kblock_vsym8", center_keys=False, k_bits=b - 1)
        for b in (4, 3)},
+    # "-c": the waiting tokens exact, block keys centred on each sequence's key mean (with "pre-": before RoPE,
+    # where a channel's mean does not move with the position); "-k8" / "-v8": 8-bit keys or values (what the other
+    # half costs alone at tq-4b's codes).
+    **{f"tq{b}-exact-c": _budget_variant(b, codec="kblock_vsym8", center_keys=True) for b in (4, 3, 2)},
+    "tq4-exact-k8": _budget_variant(4, codec="kblock_vsym8", center_keys=False, k_bits=8),
+    "tq4-exact-v8": _budget_variant(4, codec="kblock_vsym8", center_keys=False, v_bits=8),
     # The seed's cache: two b-bit RVQ key streams, float16 values.
     "seed-rvq-b1": dict(kind="rvq", k_bits=1),
     "seed-rvq-b2": dict(kind="rvq", k_bits=2),

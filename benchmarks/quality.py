@@ -13,6 +13,10 @@ needle (passkey) test. Each row says which bit budget it fits and whether it mee
     python benchmarks/quality.py --contexts 512,2048 --windows 1,1 --needle --out results/quality.json
     python benchmarks/quality.py --configs k5v3-o8,mlx-q4 --contexts 4096 --windows 1
 
+Issue 47's key probes wrap one of our configurations (``benchmarks/_prerope.py``; same bytes, attention on the
+decoded history, so no speed): ``pre-NAME`` stores its keys before RoPE, ``nr-NAME`` without its key rotation,
+``prenr-NAME`` both (``--configs pre-tq4-ptc1,nr-tq-4b``).
+
 The CPU build of MLX is slow in float16: the model runs in float32 (mlx_lm's plain cache then stores
 float32, and our exact windows are float32 too, which the byte counts include).
 """
@@ -48,6 +52,7 @@ from veloxquant_mlx.models.loader import load_model  # noqa: E402
 # The research configurations (name -> make_prompt_cache options) and the helpers that build issue 47's entries
 # live in _quality_configs.py; imported here so that quality.OURS and the rest stay where they were.
 from _quality_configs import OURS, _budget_variant, _tail_layout  # noqa: E402,F401
+from _prerope import pre_rope_caches  # noqa: E402
 
 DEFAULT = "kv,mlx-q4,mlx-q2,k4v4,k5v3,k5v3-o8,k4v3-o8,k4v2-o8,k3v2-o8,k3v1-o8,seed-rvq-b1,seed-rvq-b2,seed-rvq-b3"
 BUDGETS = (  # (bits, max dppl %, max KL or None, needle misses allowed: 9/9 -> 0, >= 8/9 -> 1)
@@ -73,6 +78,9 @@ def make_specs(names, calibration=None):
             options = CONFIGURATIONS[preset] if preset in CONFIGURATIONS else CacheOptions(**{
                 k: (tuple(v) if isinstance(v, list) else v) for k, v in OURS[preset].items()})
             specs.append(with_calibration(compressed_spec(preset, options), calibration, "+cal"))
+        elif name.split("-", 1)[0] in PROBES and "-" in name:  # issue 47's key probes (benchmarks/_prerope.py)
+            prefix, inner = name.split("-", 1)
+            specs.append(_pre_rope_spec(name, make_specs([inner], calibration)[0], *PROBES[prefix]))
         elif name in base:
             specs.append(base[name])
         elif name in CONFIGURATIONS:
@@ -85,6 +93,28 @@ def make_specs(names, calibration=None):
             known = sorted(base) + sorted(CONFIGURATIONS) + sorted(OURS)
             raise SystemExit(f"unknown config {name!r}; choose from {known}")
     return specs
+
+
+# Issue 47's key probes: prefix -> (keys before RoPE, the key codec's rotation taken out)
+PROBES = {"pre": (True, False), "nr": (False, True), "prenr": (True, True)}
+
+
+def _pre_rope_spec(name, spec, pre_rope=True, unrotated=False):
+    """``spec`` (one of ours, not calibrated) storing keys before RoPE and/or without its key rotation
+    (`_prerope.PreRopeKeys`): the same codecs and bytes (bits measured from the same options), attention on the
+    decoded history."""
+    if spec.family != "veloxquant" and (spec.options is None or spec.options.kind != "packed") \
+            or "calibration" in spec.extra:
+        raise SystemExit(f"{name!r}: the pre-RoPE probe wraps one of our uncalibrated configurations")
+
+    def make(model, inner=spec.make_cache):
+        caches = inner(model)
+        for c in caches:
+            c.fetch_placeholders = False  # the decoded history, to which the probe re-applies RoPE
+        return pre_rope_caches(model, caches, pre_rope, unrotated)
+
+    what = " and ".join(w for w, on in (("keys stored before RoPE", pre_rope), ("key rotation out", unrotated)) if on)
+    return CacheSpec(name, make, "veloxquant", None, f"{spec.description}; {what} (probe)", options=spec.options)
 
 
 def verdict(bits, dppl_pct, kl, needle):
