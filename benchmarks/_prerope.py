@@ -68,6 +68,9 @@ class PreRopeKeys:
         if self.unrotated:
             keys = self._codec_rotation(keys.shape[-1]).invert(keys).astype(dtype)
         k, v = self.inner.update_and_fetch(keys, values)
+        if k.shape[2] != self.inner.offset:  # positions are the stored slots: an evicting window breaks that
+            raise ValueError(f"the pre-RoPE probe needs every token kept (no sliding window): the cache holds "
+                             f"{k.shape[2]} of {self.inner.offset} tokens")
         self._check_rotation()
         k = k.astype(mx.float32)
         if self.unrotated:
@@ -82,7 +85,10 @@ class PreRopeKeys:
         return self.key_rotation
 
     def _check_rotation(self) -> None:
-        if self.unrotated and self.inner.rows.k_codec.rotation is not self.key_rotation:
+        if not self.unrotated:
+            return
+        codec = getattr(getattr(self.inner, "rows", None), "k_codec", None)
+        if getattr(codec, "rotation", None) is not self.key_rotation:
             raise ValueError("unrotated probe: the inner key codec's rotation is not make_rotation(d, seed, rotation)")
 
 

@@ -85,3 +85,23 @@ def test_unrotated_probe_codes_the_model_channels(tiny_model):
         out = _run(tiny_model, probe, toks)
         assert probe[0].key_rotation is inner[0].rows.k_codec.rotation
         assert float(mx.abs(out - plain).max()) < 0.05 * float(mx.abs(plain).max())
+
+
+def test_refuses_an_evicting_window(tiny_model):
+    """Positions are the stored slots: a window that evicts would get RoPE at the wrong positions, so it is refused."""
+    inner = vq.make_prompt_cache(tiny_model, "tq-4b", max_kv_size=64)
+    for c in inner:
+        c.fetch_placeholders = False
+    probe = pre_rope_caches(tiny_model, inner)
+    toks = mx.random.randint(0, 128, (1, 150), key=mx.random.key(7))
+    with pytest.raises(ValueError, match="sliding window"):
+        for s0 in range(0, 150, 50):  # (one chunk keeps all of itself; the window evicts across chunks)
+            tiny_model(toks[:, s0:s0 + 50], cache=probe)
+
+
+def test_unrotated_refuses_a_cache_without_a_rotated_key_codec(tiny_model):
+    cache = PreRopeKeys(KVCache(), rope_settings(tiny_model.layers[0].self_attn.rope), unrotated=True)
+    cache.inner.options = vq.CacheOptions()  # (what ours carry; mlx_lm's cache has no key codec)
+    k = mx.zeros((1, 1, 3, 64))
+    with pytest.raises(ValueError, match="rotation"):
+        cache.update_and_fetch(k, k)
