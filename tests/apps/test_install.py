@@ -4,8 +4,10 @@ environment whose PATH has no compiler (the packages it needs come from this int
 network)."""
 import os
 import shutil
+import site
 import subprocess
 import sys
+import sysconfig
 import tarfile
 from pathlib import Path
 
@@ -40,23 +42,62 @@ def sdist(tmp_path_factory):
     return archive
 
 
+# What the install under test needs from the environment running the tests (scripts/setup.sh installs them).
+BUILD_TOOLS = {"setuptools": (68,), "wheel": (0,), "pip": (0,)}
+
+
+def _runner_site_dirs():
+    """The site-packages of the interpreter running the tests, whatever it is (system, venv, conda), in order."""
+    dirs = list(site.getsitepackages()) + [sysconfig.get_paths()[k] for k in ("purelib", "platlib")]
+    return list(dict.fromkeys(d for d in dirs if os.path.isdir(d)))
+
+
 @pytest.fixture(scope="module")
 def no_compiler_env(tmp_path_factory):
-    """(python of a fresh venv seeing this interpreter's packages, environment whose PATH has no compiler)."""
+    """(python of a fresh venv seeing this interpreter's packages, environment whose PATH has no compiler).
+
+    ``venv --system-site-packages`` would show the *base* interpreter's packages: run from a virtual environment,
+    the new venv then misses the runner's setuptools, wheel and MLX and gets its own bundled setuptools (65.5 on
+    Python 3.11: no ``bdist_wheel``). So the venv is made bare and a ``.pth`` file adds the runner's own site
+    directories after its own, which also processes their ``.pth`` files as ``--system-site-packages`` would."""
     base = tmp_path_factory.mktemp("nocompiler")
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(base / "venv")], check=True)
+    venv = base / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    inner = subprocess.run([str(venv / "bin" / "python"), "-c", "import site; print(site.getsitepackages()[0])"],
+                           check=True, capture_output=True, text=True).stdout.strip()
+    lines = [f"import site; site.addsitedir({d!r})" for d in _runner_site_dirs()]
+    (Path(inner) / "_veloxquant_test_runner_site.pth").write_text("\n".join(lines) + "\n")
     bin_dir = base / "bin"
     bin_dir.mkdir()
     for tool in TOOLS:
         found = shutil.which(tool)
         if found:
             (bin_dir / tool).symlink_to(found)
-    env = dict(os.environ, PATH=f"{base / 'venv' / 'bin'}{os.pathsep}{bin_dir}", PIP_NO_INDEX="1",
+    env = dict(os.environ, PATH=f"{venv / 'bin'}{os.pathsep}{bin_dir}", PIP_NO_INDEX="1",
                PIP_DISABLE_PIP_VERSION_CHECK="1")
     env.pop("PYTHONPATH", None)
     for c in COMPILERS:
         assert shutil.which(c, path=env["PATH"]) is None, f"{c} is still on the test's PATH"
-    return base / "venv" / "bin" / "python", env
+    python = venv / "bin" / "python"
+    _check_build_tools(python, env)
+    return python, env
+
+
+def _check_build_tools(python, env):
+    """Fails, naming what is missing, when the venv cannot see the build tools the offline install needs."""
+    code = ("import importlib.metadata as m, sys\n"
+            f"for name, least in {BUILD_TOOLS!r}.items():\n"
+            "    try: v = m.version(name)\n"
+            "    except m.PackageNotFoundError: print(name, 'missing'); continue\n"
+            "    if tuple(int(x) for x in v.split('.')[:len(least)]) < least: print(name, v, 'too old')\n"
+            # the command `pip install` of an sdist runs (setuptools' own from 70.1, else the wheel package's)
+            "from setuptools.dist import Distribution; Distribution().get_command_class('bdist_wheel')\n")
+    r = subprocess.run([str(python), "-c", code], env=env, capture_output=True, text=True)
+    problems = (r.stdout + r.stderr).strip()
+    assert r.returncode == 0 and not problems, (
+        f"the no-compiler venv sees the runner's packages ({_runner_site_dirs()}) but cannot build a wheel "
+        f"offline: {problems[-1500:]}. Install the build tools into the environment running the tests "
+        "(bash scripts/setup.sh --test does: setuptools>=68 and wheel).")
 
 
 def _install_and_run(python, env, target, *flags, cwd):
