@@ -143,8 +143,7 @@ def probe() -> dict:
     """Load Gemma 3 once and measure what the tests check (see the module docstring)."""
     from veloxquant_mlx.blas import load_openblas_global, loaded_blas
 
-    load_openblas_global()  # before MLX is imported
-    import mlx.core as mx
+    load_openblas_global()  # before MLX is imported (by the imports below)
     from mlx_lm import generate
 
     import veloxquant_mlx
@@ -231,7 +230,8 @@ def _cli_generate(model, tok) -> dict:
         mlx_generate.make_prompt_cache = make
     caches = made[-1] if made else []
     return {"rc": rc, "stdout": out.getvalue(), "stderr": err.getvalue()[-2000:],
-            "prompt_tokens": len(tok.encode(PROMPT)), "caches": [type(c).__name__ for c in caches], "offset": [int(c.offset) for c in caches]}
+            "prompt_tokens": len(tok.encode(PROMPT)), "caches": [type(c).__name__ for c in caches],
+            "offset": [int(c.offset) for c in caches]}
 
 
 def _half_precision(model, tok) -> dict:
