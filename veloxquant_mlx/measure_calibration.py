@@ -72,11 +72,15 @@ class _Recorder(KVCache):
 
 def default_calibration_tokens(model, tokenizer, prompts: Sequence[str] = DEFAULT_PROMPTS,
                                tokens_per_prompt: int = DEFAULT_TOKENS_PER_PROMPT) -> List[List[int]]:
-    """Token sequences (chat prompt + the model's own greedy answer), one per prompt."""
+    """Token sequences (chat prompt + the model's own greedy answer), one per prompt. A tokenizer without a chat
+    template (a base model: Gemma 3 270M) gets the prompt as plain text, which it continues."""
     check_int("tokens_per_prompt", tokens_per_prompt, 1)
     out = []
     for p in prompts:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+        if getattr(tokenizer, "has_chat_template", False):
+            prompt = tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+        else:
+            prompt = list(tokenizer.encode(p))
         answer = mlx_generate(model, tokenizer, prompt, max_tokens=tokens_per_prompt, verbose=False)
         out.append(list(prompt) + list(tokenizer.encode(answer, add_special_tokens=False)))
     return out

@@ -34,7 +34,7 @@ from .eval.memory import measure_footprint
 from .calibration.file import Calibration
 from .eval.specs import preset_names, resolve_spec, unknown_preset, with_calibration
 from .integration import use_packed_attention
-from .models import ModelPackageMissing, load_model, max_context
+from .models import DEFAULT_MODEL, MODEL_HELP, ModelPackageMissing, load_model, max_context
 from .model_shape import vocab_size as model_vocab_size
 from .options import DEFAULT_NAME
 # (CHAT_FIELDS and numeric_rules: read through this module by its tests and users)
@@ -115,8 +115,7 @@ _MLX_OPTIONS = (
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The ``serve`` options: ours, then mlx_lm.server's that apply here."""
-    parser.add_argument("--model", default="smollm2", help="'smollm2' (embedded, default), a .gguf file "
-                        "or an mlx_lm model directory")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     add_preset_argument(parser, help=f"KV cache of every request: a preset (default {DEFAULT_PRESET}, the default of "
                         f"`enable(model)` too; `veloxquant presets` lists them), mlx_lm's kv / mlx-q8 / mlx-q4 / "
                         f"mlx-q2, or a family with --bits: {', '.join(preset_names())}")

