@@ -166,7 +166,8 @@ def run_pytest(tests, sabotage=None):
     env.pop(ENV, None)
     if sabotage:
         env[ENV] = sabotage
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "-p", "sabotage", *tests]
+    # -n 0: one process, the one the sabotage plugin patches (pyproject's addopts spread tests over workers)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "-n", "0", "-p", "no:cacheprovider", "-p", "sabotage", *tests]
     t0 = time.time()
     try:
         proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)

@@ -1,10 +1,11 @@
 """Helpers of test_gemma3_model.py: llama.cpp's SentencePiece tokenizer in Python (the independent reference the
 library's tokenizer is checked against), and the model probe the tests run once per session in a subprocess.
 
-Why a subprocess: the test process runs on the reference BLAS bundled with MLX (tests/conftest.py says why), on
-which one forward pass of Gemma 3's 262144 x 640 output layer over a few hundred tokens takes minutes. The probe
-loads OpenBLAS before MLX (`load_openblas_global`), as the apps do, loads Gemma 3 once, measures everything the tests
-check and writes it as JSON:
+Why a subprocess: one process measures everything once (the model's ~1 GB of float32 weights are never held by a
+test worker), whatever BLAS the test process runs on (on MLX's bundled reference BLAS one forward pass of Gemma 3's
+262144 x 640 output layer over a few hundred tokens takes minutes). The probe loads OpenBLAS before MLX
+(`load_openblas_global`), as the apps do, loads Gemma 3 once, measures everything the tests check and writes it as
+JSON:
 
     python tests/apps/_gemma3_helpers.py OUT.json
 """

