@@ -265,7 +265,13 @@ def _layer_summary(cache) -> Optional[str]:
         return None
     size = getattr(cache, "max_size", None)
     kind = f"sliding window of {size} tokens" if size is not None else "full attention"
-    return f"{kind}: codec {o.codec!r}, keys {o.k_bits} / values {o.value_bits} bits, sink {o.sink}"
+    codec = o.codec
+    if o.head_dim is not None:  # the layout the codes take at this head_dim (`CacheOptions.for_dims`)
+        try:
+            codec = o.for_dims(o.head_dim, o.head_dim).codec
+        except ValueError:
+            pass
+    return f"{kind}: codec {codec!r}, keys {o.k_bits} / values {o.value_bits} bits, sink {o.sink}"
 
 
 def layer_kinds_note(caches) -> Optional[str]:
