@@ -25,7 +25,12 @@ def _tail_layout(extra: int) -> str:
 
 def _budget_variant(bits: int, **changes) -> dict:
     """tq-{bits}b's options with ``changes`` (as make_prompt_cache keywords)."""
-    return {**{k: (list(v) if isinstance(v, tuple) else v) for k, v in preset(f"tq-{bits}b").to_dict().items()
+    return _preset_variant(f"tq-{bits}b", **changes)
+
+
+def _preset_variant(name: str, **changes) -> dict:
+    """The preset ``name``'s options with ``changes`` (as make_prompt_cache keywords)."""
+    return {**{k: (list(v) if isinstance(v, tuple) else v) for k, v in preset(name).to_dict().items()
                if k not in ("calibration_id", "channel_log2", "head_dim")}, **changes}
 
 
@@ -138,6 +143,10 @@ OURS = {
     **{f"tq{b}-exact-c": _budget_variant(b, codec="kblock_vsym8", center_keys=True) for b in (4, 3, 2)},
     "tq4-exact-k8": _budget_variant(4, codec="kblock_vsym8", center_keys=False, k_bits=8),
     "tq4-exact-v8": _budget_variant(4, codec="kblock_vsym8", center_keys=False, v_bits=8),
+    # Issue 55's sliding-window rule (CacheOptions.short_window): "-sw0" the default without it (as before issue 55),
+    # "tq{b}-sw" a budget preset with it (window layers of <= 1024 tokens at 8-bit keys and values).
+    "tq-affine-k8v4-sw0": _preset_variant("tq-affine-k8v4", short_window=0),
+    **{f"tq{b}-sw": _budget_variant(b, short_window=1024) for b in (4, 3, 2)},
     # The seed's cache: two b-bit RVQ key streams, float16 values.
     "seed-rvq-b1": dict(kind="rvq", k_bits=1),
     "seed-rvq-b2": dict(kind="rvq", k_bits=2),

@@ -13,6 +13,14 @@ needle (passkey) test. Each row says which bit budget it fits and whether it mee
     python benchmarks/quality.py --contexts 512,2048 --windows 1,1 --needle --out results/quality.json
     python benchmarks/quality.py --configs k5v3-o8,mlx-q4 --contexts 4096 --windows 1
 
+Issue 55's layer-kind probes, for models with sliding-window layers (Gemma 3): ``win:NAME`` / ``glob:NAME`` code
+only the window (``RotatingKVCache``) / only the full-attention layers with NAME's caches, mlx_lm's own caches on
+the others; ``NAME@wk8`` / ``NAME@wv8`` / ``NAME@wkv8``: NAME with 8-bit keys / values / both on the window layers
+only (per-layer bits)::
+
+    python benchmarks/quality.py --model gemma3-270m --contexts 2048 --windows 1 --bits-lengths 2048,8192 \
+        --configs kv,mlx-q8,win:tq-affine-k8v4,glob:tq-affine-k8v4,tq-affine-k8v4@wv8
+
 Issue 47's key probes wrap one of our configurations (``benchmarks/_prerope.py``; same bytes, attention on the
 decoded history, so no speed): ``pre-NAME`` stores its keys before RoPE, ``nr-NAME`` without its key rotation,
 ``prenr-NAME`` both (``--configs pre-tq4-ptc1,nr-tq-4b``).
@@ -22,6 +30,7 @@ float32, and our exact windows are float32 too, which the byte counts include).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -78,6 +87,12 @@ def make_specs(names, calibration=None):
             options = CONFIGURATIONS[preset] if preset in CONFIGURATIONS else CacheOptions(**{
                 k: (tuple(v) if isinstance(v, list) else v) for k, v in OURS[preset].items()})
             specs.append(with_calibration(compressed_spec(preset, options), calibration, "+cal"))
+        elif name.partition(":")[0] in LAYER_KINDS and ":" in name:  # issue 55: one layer kind coded
+            kind, _, inner = name.partition(":")
+            specs.append(_layer_kind_spec(name, make_specs([inner], calibration)[0], kind))
+        elif "@" in name and name.rpartition("@")[2] in WINDOW_BITS:  # issue 55: 8 bits on the window layers
+            inner, _, lever = name.rpartition("@")
+            specs.append(_window_bits_spec(name, make_specs([inner], calibration)[0], *WINDOW_BITS[lever]))
         elif name.split("-", 1)[0] in PROBES and "-" in name:  # issue 47's key probes (benchmarks/_prerope.py)
             prefix, inner = name.split("-", 1)
             specs.append(_pre_rope_spec(name, make_specs([inner], calibration)[0], *PROBES[prefix]))
@@ -93,6 +108,48 @@ def make_specs(names, calibration=None):
             known = sorted(base) + sorted(CONFIGURATIONS) + sorted(OURS)
             raise SystemExit(f"unknown config {name!r}; choose from {known}")
     return specs
+
+
+# Issue 55's probes of models with sliding-window layers: which layers a configuration codes, and 8 bits on the
+# window layers. A layer is a window layer when the model's own cache for it is mlx_lm's RotatingKVCache.
+LAYER_KINDS = ("win", "glob")
+WINDOW_BITS = {"wk8": (8, None), "wv8": (None, 8), "wkv8": (8, 8)}
+
+
+def _window_layers(model):
+    from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache as mlx_make
+
+    return [isinstance(c, RotatingKVCache) for c in mlx_make(model)]
+
+
+def _layer_kind_spec(name, spec, kind):
+    """``spec``'s caches on the window layers (``win``) or the full-attention ones (``glob``) only; mlx_lm's own
+    caches (the model's ``make_cache``) on the others."""
+    from mlx_lm.models.cache import make_prompt_cache as mlx_make
+
+    def make(model, inner=spec.make_cache):
+        ours, own = inner(model), mlx_make(model)
+        return [o if w == (kind == "win") else m for o, m, w in zip(ours, own, _window_layers(model))]
+
+    what = "window" if kind == "win" else "full-attention"
+    return CacheSpec(name, make, spec.family, None, f"{spec.description}; on the {what} layers only (probe)")
+
+
+def _window_bits_spec(name, spec, k_bits=None, v_bits=None):
+    """``spec`` (one of ours, bits not per layer) with ``k_bits`` / ``v_bits`` on the window layers only."""
+    o = spec.options
+    if o is None or isinstance(o.k_bits, tuple) or isinstance(o.v_bits, tuple):
+        raise SystemExit(f"{name!r}: @wk8/@wv8/@wkv8 take one of our configurations with one bit width")
+
+    def make(model):
+        win = _window_layers(model)
+        per = {}
+        for field, bits, own in (("k_bits", k_bits, o.k_bits), ("v_bits", v_bits, o.value_bits)):
+            per[field] = tuple(bits if (w and bits is not None) else own for w in win)
+        return vq.make_prompt_cache(model, dataclasses.replace(o, **per))
+
+    return CacheSpec(name, make, spec.family, None,
+                     f"{spec.description}; window layers at k{k_bits or '='}/v{v_bits or '='} bits (probe)")
 
 
 # Issue 47's key probes: prefix -> (keys before RoPE, the key codec's rotation taken out)
@@ -143,6 +200,8 @@ def main(argv=None):
     ap.add_argument("--contexts", default="512,2048")
     ap.add_argument("--windows", default="1,1", help="windows per context (one number, or one per context)")
     ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--bits-lengths", default=",".join(map(str, REPORT_LENGTHS)),
+                    help="lengths the bits (measure_bits, random tokens) are reported at, besides --contexts")
     ap.add_argument("--needle", action="store_true", help="also run the passkey test (9 cases by default)")
     ap.add_argument("--needle-lengths", default="1024,2048,4096", help="passkey prompt lengths (x 3 depths)")
     ap.add_argument("--needle-configs", default=None, help="configs for the passkey test (default: all)")
@@ -199,7 +258,8 @@ def run(args) -> dict:
               for c in corpora if contexts}
     for corpus in tokens:
         results["corpora"][corpus] = {"tokens": len(tokens[corpus]), "ppl": {}}
-    results["bits"] = spec_bits(model, specs, sorted(set(REPORT_LENGTHS) | set(contexts)))
+    bits_lengths = [int(n) for n in args.bits_lengths.split(",") if n]
+    results["bits"] = spec_bits(model, specs, sorted(set(bits_lengths) | set(contexts)))
     for ctx, nw in zip(contexts, windows):  # every corpus at one context before the next (longer) context
         chosen = [s for s in specs if ctx not in subsets or s.name in subsets[ctx]]
         for corpus in corpora:
@@ -227,17 +287,20 @@ def spec_bits(model, specs, lengths) -> dict:
     """name -> `measure_bits` of its caches (random tokens, the model's attention shape): every stored byte at each
     of ``lengths`` and averaged over a window's positions (what its KL averages over). Calibration does not change
     the bytes (the same arrays, weighted), so a ``+cal`` configuration is measured by its options alone; one layer
-    stands for all unless bits are set per layer."""
+    stands for all unless bits are set per layer or the model has layers of other kinds than full attention
+    (sliding windows: Gemma 3), which are then measured in the model's own layout."""
     n_layers, kv_heads, head_dim = model_kv_shape(model)
+    from mlx_lm.models.cache import KVCache, make_prompt_cache as mlx_make
+    uniform = all(type(c) is KVCache for c in mlx_make(model))
     out = {}
     for s in specs:
         o = s.options
-        if o is None:
+        if o is None or not uniform:
             make, layers = s.make_cache, n_layers
         else:
             make = lambda m, o=o: vq.make_prompt_cache(m, o)  # noqa: E731
             layers = n_layers if isinstance(o.k_bits, tuple) or isinstance(o.v_bits, tuple) else 1
-        m = measure_bits(make, kv_heads, head_dim, model=None if o is not None else model, lengths=lengths,
+        m = measure_bits(make, kv_heads, head_dim, model=model if o is None or not uniform else None, lengths=lengths,
                          n_layers=layers)
         out[s.name] = {k: {str(n): v for n, v in m[k].items()} for k in ("bits", "kl_average_bits", "max_bits")}
     return out

@@ -70,6 +70,11 @@ class CacheOptions:
     group_size: affine group size (affine codecs; for affine_block also the key block in tokens).
     seed, rotation ("haar" / "hadamard"), jl_dim (QJL sketch length, turboquant_prod only).
     head_dim: checked against the model's when set (the builder fills it in).
+    short_window / short_window_bits: a sliding-window layer (mlx_lm's ``RotatingKVCache``) of at most
+        ``short_window`` tokens codes its keys and values at no fewer than ``short_window_bits`` bits (0: no such
+        rule). Such a layer holds that many tokens whatever the context, so its bits cost a bounded amount of memory
+        while its error counts at every position (Gemma 3's 512-token window layers: BENCHMARKS.md, issue 55);
+        full-attention layers are untouched.
     calibration_id / channel_log2: one layer's static channel weights from a `veloxquant_mlx.Calibration` (the
         builder fills them in from ``calibration=``): ``channel_log2`` = (keys, values), each ``heads`` tuples of
         ``head_dim`` ints in [-3, 3]; keys and values are stored times ``2**channel_log2`` (exact in floating point),
@@ -95,6 +100,8 @@ class CacheOptions:
     n_outlier_channels: int = 0
     outlier_bits: int = 8
     head_dim: Optional[int] = None
+    short_window: int = 0
+    short_window_bits: int = 8
     calibration_id: Optional[str] = None
     channel_log2: Optional[Tuple[Tuple[Tuple[int, ...], ...], Tuple[Tuple[int, ...], ...]]] = \
         dataclasses.field(default=None, repr=False)
@@ -106,9 +113,11 @@ class CacheOptions:
         layout = codec_layout(self.codec)
         set_("k_bits", _check_bits("k_bits", self.k_bits, layout.keys.BITS))
         set_("v_bits", _check_bits("v_bits", self.v_bits, layout.values.BITS, optional=True))
-        for name, lo in (("sink", 0), ("recent", 0), ("trim_headroom", 0), ("seed", 0), ("n_outlier_channels", 0)):
+        for name, lo in (("sink", 0), ("recent", 0), ("trim_headroom", 0), ("seed", 0), ("n_outlier_channels", 0),
+                         ("short_window", 0)):
             set_(name, check_int(name, getattr(self, name), lo))
         set_("outlier_bits", check_int("outlier_bits", self.outlier_bits, 1, 8))
+        set_("short_window_bits", check_int("short_window_bits", self.short_window_bits, 1, 8))
         set_("code_batch", check_int("code_batch", self.code_batch, 1, 4096))
         set_("jl_dim", check_int("jl_dim", self.jl_dim, 1, optional=True))
         set_("head_dim", check_int("head_dim", self.head_dim, 1, optional=True))
@@ -293,6 +302,11 @@ def adapted_reason(options: "CacheOptions", adapted: "CacheOptions", k_dim: int,
 # attention on codes. 8-bit codes: MLX's CPU quantized matmul runs faster on byte-aligned codes, and keys carry most
 # of the attention error: near-lossless (decode speed against the plain cache: BENCHMARKS.md).
 SINK_TOKENS = 4
+# The default's sliding-window rule (`CacheOptions.short_window`): window layers of at most this many tokens keep
+# 8-bit keys and values. On Gemma 3 270M the 4-bit values of its 512-token window layers carried ~90 % of the
+# default's KL (issue 55); such a layer holds at most this many tokens whatever the context, so at 8192 tokens and
+# beyond its extra bits are a small share of the cache (BENCHMARKS.md, "Issue 55"). Full-attention models: unchanged.
+SHORT_WINDOW = 1024
 
 
 def _tq(method: str, k_bits: int, v_bits: int, codec: str = "lloyd_max") -> CacheOptions:
@@ -328,7 +342,7 @@ PRESETS: Mapping[str, CacheOptions] = MappingProxyType({
     "tq-prod-k4v4": _tq("turboquant_prod", 4, 4),
     "tq-rvq-k2v2": _tq("turboquant_rvq", 2, 2),
     "tq-affine-k4v4": _tq("turboquant_mse", 4, 4, "affine_block"),
-    "tq-affine-k8v4": _tq("turboquant_mse", 8, 4, "affine_block"),
+    "tq-affine-k8v4": dataclasses.replace(_tq("turboquant_mse", 8, 4, "affine_block"), short_window=SHORT_WINDOW),
     "tq-affine-k8v8": _tq("turboquant_mse", 8, 8, "affine_block"),
     "tq-4b": _budget(4),
     "tq-3b": _budget(3),

@@ -185,12 +185,19 @@ def probe() -> dict:
     _timed(r, "ppl", t)
 
     # enable(model): the caches it makes (no forward pass), then `veloxquant generate` on them through the CLI
-    veloxquant_mlx.enable(model)
+    from veloxquant_mlx.eval.corpus import text_prefix
+    r["ppl"]["text_prefix"] = list(text_prefix(tok))  # what every evaluation window starts with
+    import warnings
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        veloxquant_mlx.enable(model)
     try:
         caches = veloxquant_mlx.make_prompt_cache(model)
         r["enabled"] = {"options": repr(veloxquant_mlx.enabled_options(model)),
                         "caches": [type(c).__name__ for c in caches],
-                        "max_size": [getattr(c, "max_size", None) for c in caches]}
+                        "max_size": [getattr(c, "max_size", None) for c in caches],
+                        "bits": [[c.options.k_bits, c.options.value_bits] for c in caches],
+                        "said": [str(w.message) for w in said]}
     finally:
         veloxquant_mlx.disable(model)
     t = time.perf_counter()

@@ -22,7 +22,7 @@ from veloxquant_mlx.models import gemma3 as gemma3_mod
 from veloxquant_mlx.models.gemma3 import gemma3_args
 from veloxquant_mlx.models.gguf_numpy import read_gguf_numpy
 
-from _gemma3_helpers import CLI_TOKENS, PPL_TOKENS, PROMPT, TOKENIZER_TEXTS, reference_vocab, spm_reference
+from _gemma3_helpers import BOS_ID, CLI_TOKENS, PPL_TOKENS, PROMPT, TOKENIZER_TEXTS, reference_vocab, spm_reference
 
 ROOT = Path(__file__).resolve().parents[2]
 HELPERS = Path(__file__).with_name("_gemma3_helpers.py")
@@ -115,6 +115,11 @@ def test_enable_compresses_window_and_global_layers(gemma3_probe):
     sliding = gemma3_probe["sliding"]
     assert e["caches"] == ["TurboQuantRotatingPackedCache" if s else "TurboQuantPackedCache" for s in sliding]
     assert e["max_size"] == [512 if s else None for s in sliding]
+    # the default's sliding-window rule (issue 55): the 512-token windows at 8-bit keys and values, global layers k8/v4
+    assert e["bits"] == [[8, 8] if s else [8, 4] for s in sliding]
+    assert any(t.startswith("veloxquant_mlx: layers by kind: 15 layers") for t in e["said"]), e["said"]
+    # evaluation windows start with <bos> (issue 55)
+    assert gemma3_probe["ppl"]["text_prefix"] == [BOS_ID]
     # `veloxquant generate --model gemma3-270m`: default preset, plain text (no chat template), caches from enable
     cli = gemma3_probe["cli"]
     assert cli["rc"] == 0, cli["stderr"]

@@ -3,7 +3,7 @@
 Every function takes cache *factories* (``CacheSpec.make_cache(model) -> list``), so any
 mlx_lm-compatible cache can be measured. Results are plain JSON-ready dicts.
 """
-from .corpus import CorpusMissing, corpus_text, corpus_tokens
+from .corpus import CorpusMissing, CorpusTokens, corpus_text, corpus_tokens, text_prefix
 from .memory import (
     bits_per_coordinate,
     cache_memory,
@@ -13,13 +13,14 @@ from .memory import (
     plan_context,
 )
 from .passkey import passkey_eval, passkey_prompt
-from .perplexity import perplexity_eval, perplexity_full_forward, window_starts
+from .perplexity import perplexity_eval, perplexity_full_forward, window_starts, window_tokens
 from .specs import CacheSpec, baseline_specs, compressed_specs, registered_specs, resolve_spec
 from .speed import speed_eval
 
 __all__ = [
     "CacheSpec",
     "CorpusMissing",
+    "CorpusTokens",
     "baseline_specs",
     "bits_per_coordinate",
     "cache_memory",
@@ -37,5 +38,7 @@ __all__ = [
     "registered_specs",
     "resolve_spec",
     "speed_eval",
+    "text_prefix",
     "window_starts",
+    "window_tokens",
 ]

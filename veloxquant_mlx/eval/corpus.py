@@ -23,7 +23,7 @@ import shutil
 import subprocess
 from functools import lru_cache
 from html.parser import HTMLParser
-from typing import List, Optional
+from typing import List, Optional, Sequence, Tuple
 
 CORPUS_DIR = "/usr/share/debian-reference"
 CORPUS_PACKAGE = "debian-reference-en"
@@ -186,9 +186,43 @@ def corpus_text(corpus: str = DEFAULT_CORPUS) -> str:
     return CORPORA[check_corpus(corpus)]()
 
 
-def corpus_tokens(tokenizer, corpus: str = DEFAULT_CORPUS, min_tokens: Optional[int] = None) -> List[int]:
-    """Token ids of :func:`corpus_text` (no special tokens). ``min_tokens`` raises if fewer."""
-    ids = list(tokenizer.encode(corpus_text(corpus), add_special_tokens=False))
+def text_prefix(tokenizer) -> Tuple[int, ...]:
+    """The ids the tokenizer puts before any text when it adds special tokens (its BOS: Gemma's ``<bos>``), ``()``
+    when it adds none (SmolLM2's). Read from the tokenizer itself: ``encode`` with and without special tokens."""
+    try:
+        plain = list(tokenizer.encode("a", add_special_tokens=False))
+        full = list(tokenizer.encode("a"))
+    except TypeError:  # an encode without add_special_tokens adds none
+        return ()
+    for i in range(len(full) - len(plain) + 1):  # the text's ids inside what encode gives: what comes before
+        if full[i : i + len(plain)] == plain:
+            return tuple(int(t) for t in full[:i])
+    return ()
+
+
+class CorpusTokens(list):
+    """A corpus's token ids (a list) and ``prefix``: what the tokenizer puts before a text (`text_prefix`: its BOS,
+    or nothing), which every evaluation window starts with (`veloxquant_mlx.eval.perplexity.window_tokens`, and the
+    passkey prompts). A slice keeps the prefix."""
+
+    def __init__(self, ids: Sequence[int] = (), prefix: Sequence[int] = ()):
+        super().__init__(ids)
+        self.prefix = tuple(int(t) for t in prefix)
+
+    def __getitem__(self, item):
+        out = super().__getitem__(item)
+        return CorpusTokens(out, self.prefix) if isinstance(item, slice) else out
+
+
+def tokenize_text(tokenizer, text: str) -> CorpusTokens:
+    """``text``'s ids without special tokens, carrying the tokenizer's `text_prefix`."""
+    return CorpusTokens(tokenizer.encode(text, add_special_tokens=False), text_prefix(tokenizer))
+
+
+def corpus_tokens(tokenizer, corpus: str = DEFAULT_CORPUS, min_tokens: Optional[int] = None) -> CorpusTokens:
+    """Token ids of :func:`corpus_text` (no special tokens; ``.prefix``: the tokenizer's BOS, if it adds one, which
+    every evaluation window starts with). ``min_tokens`` raises if fewer."""
+    ids = tokenize_text(tokenizer, corpus_text(corpus))
     if min_tokens is not None and len(ids) < min_tokens:
         raise ValueError(
             f"corpus {corpus!r} has {len(ids)} tokens, fewer than min_tokens={min_tokens}"

@@ -1,6 +1,7 @@
 """Passkey retrieval: a seeded random 5-digit key hidden at a depth of corpus filler, asked at the end.
 
-The prompt goes through the model's chat template; the assistant turn is primed with
+The prompt goes through the model's chat template (plain text for a model without one) and starts with the
+tokenizer's prefix (its BOS, when it adds one and the template did not already put it there); the assistant turn is primed with
 ``ANSWER_PREFIX`` so a small model answers with the key right away. The wording below was
 checked to give 9/9 with mlx_lm's plain KVCache on SmolLM2-135M-Instruct; keep it fixed so
 results stay comparable.
@@ -12,6 +13,7 @@ from typing import Dict, List, Sequence
 
 from tqdm.auto import tqdm
 
+from .corpus import text_prefix
 from .forward import DEFAULT_CHUNK, greedy_decode, prefill
 from .specs import CacheSpec
 
@@ -51,6 +53,9 @@ def passkey_prompt(tokenizer, filler: Sequence[int], length: int, depth: float, 
         text = messages[0]["content"] + "\n"
     head, tail = text.split(_MARK)
     head_ids = _encode(tokenizer, head)
+    start = list(text_prefix(tokenizer))  # the BOS a base model's text starts with (Gemma's <bos>)
+    if start and head_ids[: len(start)] != start:
+        head_ids = start + head_ids
     tail_ids = _encode(tokenizer, tail + ANSWER_PREFIX)
     needle_ids = _encode(tokenizer, NEEDLE.format(key=key))
     budget = length - len(head_ids) - len(tail_ids) - len(needle_ids)

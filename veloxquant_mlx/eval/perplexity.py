@@ -1,8 +1,12 @@
 """Perplexity, KL divergence and top-1 agreement of cache configurations against a reference cache.
 
-Windows: window ``i`` feeds corpus tokens ``[i*context, (i+1)*context)`` and predicts tokens
-``[i*context+1, (i+1)*context+1)``; so every window is exactly ``context`` tokens and windows of
-one context never overlap. All caches see the same window in chunks of ``chunk`` tokens (prefill
+Windows (`window_tokens`): window ``i`` feeds ``context`` tokens starting at corpus token ``i*context``. A window
+starts as the model expects a text to: with the tokenizer's prefix (its BOS, ``tokens.prefix`` of
+`veloxquant_mlx.eval.corpus_tokens`; none for SmolLM2's tokenizer, ``<bos>`` for Gemma's), which is fed, never
+scored: window ``i`` feeds ``prefix + corpus[i*context : (i+1)*context - len(prefix)]`` and scores the
+predictions of the corpus tokens ``corpus[i*context + (0 if prefix else 1) : (i+1)*context - len(prefix) + 1]``
+(without a prefix: feeds ``[i*context, (i+1)*context)``, predicts ``[i*context+1, (i+1)*context+1)``). So every
+window is exactly ``context`` tokens and windows of one context never overlap. All caches see the same window in chunks of ``chunk`` tokens (prefill
 chunks and cache growth through ``update_and_fetch``), in lockstep with the reference: the
 logits of one chunk are compared in float32 and dropped, never a whole window's logits.
 """
@@ -33,6 +37,24 @@ def window_starts(n_tokens: int, context: int, n_windows: int) -> List[int]:
     return [i * context for i in range(n_windows)]
 
 
+def window_tokens(tokens: Sequence[int], start: int, context: int, prefix: Optional[Sequence[int]] = None):
+    """``(inputs, targets, skip)`` of the window at corpus offset ``start``: ``inputs`` ``(1, context)`` int32, the
+    prefix (``prefix``, by default ``tokens.prefix``: the tokenizer's BOS when it adds one) then corpus tokens;
+    ``targets`` ``(context,)``: the next token of each input position; the first ``skip`` positions (inside a
+    prefix of more than one token) predict prefix tokens and are not scored."""
+    prefix = tuple(getattr(tokens, "prefix", ()) if prefix is None else prefix)
+    p = len(prefix)
+    if p >= context:
+        raise ValueError(f"context {context} leaves no room after the {p}-token prefix")
+    body = list(tokens[start : start + context - p + 1])  # the corpus tokens fed, and the one after the last
+    if len(body) != context - p + 1:
+        raise ValueError(f"window at {start} of context {context} runs past the corpus's {len(tokens)} tokens")
+    skip = max(p - 1, 0)
+    inputs = list(prefix) + body[:-1]
+    targets = [0] * skip + (body if p else body[1:])
+    return mx.array(inputs, dtype=mx.int32)[None], mx.array(targets, dtype=mx.int32), skip
+
+
 def _log_softmax(logits: mx.array) -> mx.array:
     logits = logits.astype(mx.float32)
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -55,12 +77,14 @@ def perplexity_eval(
     chunk: int = DEFAULT_CHUNK,
     reference: Optional[CacheSpec] = None,
     progress: bool = True,
+    prefix: Optional[Sequence[int]] = None,
 ) -> Dict[str, dict]:
     """Per spec name: ``ppl``, ``delta_ppl`` (vs reference), ``kl`` (nats/token), ``top1``, counts,
     and ``memory`` (:func:`cache_memory` of that cache holding one full window).
 
     ``reference`` defaults to mlx_lm's plain ``KVCache``; a spec with the reference's name
-    reuses the reference pass (KL 0, top-1 1.0) instead of running twice.
+    reuses the reference pass (KL 0, top-1 1.0) instead of running twice. ``prefix``: what each window starts
+    with, unscored (`window_tokens`; default ``tokens.prefix``, the tokenizer's BOS when it adds one).
     """
     if chunk <= 0:
         raise ValueError(f"chunk must be > 0, got {chunk}")
@@ -77,17 +101,19 @@ def perplexity_eval(
         leave=False,
     )
     for start in starts:
-        inp = mx.array(list(tokens[start : start + context]), dtype=mx.int32)[None]
-        tgt = mx.array(list(tokens[start + 1 : start + context + 1]), dtype=mx.int32)
+        inp, tgt, skip = window_tokens(tokens, start, context, prefix)
         ref_cache = reference.make_cache(model)
         caches = {s.name: s.make_cache(model) for s in others}
         for s0 in range(0, context, chunk):
             x, y = inp[:, s0 : s0 + chunk], tgt[s0 : s0 + chunk]
-            ref_logp = _log_softmax(model(x, cache=ref_cache)[0])
+            lo = max(skip - s0, 0)  # positions inside a multi-token prefix: fed, not scored
+            if lo:
+                y = y[lo:]
+            ref_logp = _log_softmax(model(x, cache=ref_cache)[0][lo:])
             r_nll = -mx.take_along_axis(ref_logp, y[:, None], axis=-1).sum()
             stats = {}
             for s in others:
-                logp = _log_softmax(model(x, cache=caches[s.name])[0])
+                logp = _log_softmax(model(x, cache=caches[s.name])[0][lo:])
                 stats[s.name] = _chunk_stats(ref_logp, logp, y)
             mx.eval(r_nll, stats)
             ref_nll += r_nll.item()
@@ -121,15 +147,15 @@ def perplexity_eval(
     )
 
 
-def perplexity_full_forward(model, tokens: Sequence[int], context: int, n_windows: int = 1) -> float:
-    """Perplexity of the same windows from one cache-free forward pass per window (a cross-check)."""
+def perplexity_full_forward(model, tokens: Sequence[int], context: int, n_windows: int = 1,
+                            prefix: Optional[Sequence[int]] = None) -> float:
+    """Perplexity of the same windows (`window_tokens`) from one cache-free forward pass per window (a cross-check)."""
     starts = window_starts(len(tokens), context, n_windows)
     nll, n = 0.0, 0
     for start in starts:
-        inp = mx.array(list(tokens[start : start + context]), dtype=mx.int32)[None]
-        tgt = mx.array(list(tokens[start + 1 : start + context + 1]), dtype=mx.int32)
-        logp = _log_softmax(model(inp)[0])
-        s = -mx.take_along_axis(logp, tgt[:, None], axis=-1).sum()
+        inp, tgt, skip = window_tokens(tokens, start, context, prefix)
+        logp = _log_softmax(model(inp)[0][skip:])
+        s = -mx.take_along_axis(logp, tgt[skip:, None], axis=-1).sum()
         nll += s.item()
-        n += context
+        n += context - skip
     return math.exp(nll / n)

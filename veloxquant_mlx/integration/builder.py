@@ -146,6 +146,9 @@ class KVCacheBuilder:
         # the members a model reads raw (indexer keys) stay mlx_lm's
         self._raw_members = raw_members
         caches = [self._convert(c, per_layer[i], placeholders) for i, c in enumerate(base)]
+        note = layer_kinds_note(caches)
+        if note is not None:
+            self.notes.append(note)
         if route_attention and placeholders:
             for cache in caches:
                 if _attends_from_codes(cache):  # one count each, released when collected
@@ -167,12 +170,16 @@ def _full_attention(cache, options, placeholders: bool):
     return TurboQuantPackedCache(options, fetch_placeholders=placeholders)
 
 
-def _window_options(options, keep: int, what: str):
+def _window_options(options, keep: int, what: str, max_size: Optional[int] = None):
     """A window's options: a per-token layout (a window evicts single tokens), exact sink tokens only within
-    ``keep`` (never evicted)."""
+    ``keep`` (never evicted); a sliding window of at most ``options.short_window`` tokens (``max_size``) codes keys
+    and values at no fewer than ``options.short_window_bits`` bits (its memory is bounded whatever the context)."""
     if options.kind == "rvq":
         raise ValueError(f"kind='rvq' has no sliding-window variant; this model has {what} layers: use kind='packed'")
     changes = {"sink": min(options.sink, keep)}
+    if max_size is not None and max_size <= options.short_window:
+        floor = options.short_window_bits
+        changes.update(k_bits=max(options.k_bits, floor), v_bits=max(options.value_bits, floor))
     if codec_layout(options.codec).keys.BLOCKED:  # block keys cannot be evicted a token at a time
         # a block codec's group_size is its key block in tokens, not a per-token group of coordinates
         changes.update(codec="affine", group_size=None)
@@ -181,7 +188,7 @@ def _window_options(options, keep: int, what: str):
 
 def _sliding_window(cache, options, placeholders: bool):
     """mlx_lm's ``RotatingKVCache`` -> a packed window of the same ``max_size`` / ``keep``."""
-    return TurboQuantRotatingPackedCache(_window_options(options, cache.keep, "RotatingKVCache"),
+    return TurboQuantRotatingPackedCache(_window_options(options, cache.keep, "RotatingKVCache", cache.max_size),
                                          max_size=cache.max_size, keep=cache.keep, fetch_placeholders=placeholders)
 
 
@@ -249,6 +256,40 @@ def cache_report(caches) -> List[Tuple[str, str]]:
             reason = next((r for cls, r in _PLAIN_REASONS.items() if type(c) is cls), None)
             out.append(("plain", reason or f"{type(c).__name__} is a cache kind veloxquant does not know"))
     return out
+
+
+def _layer_summary(cache) -> Optional[str]:
+    """What one compressed layer does: its kind (window of N tokens / full attention), codec and bits."""
+    o = getattr(cache, "options", None)
+    if o is None or getattr(o, "kind", None) != "packed":
+        return None
+    size = getattr(cache, "max_size", None)
+    kind = f"sliding window of {size} tokens" if size is not None else "full attention"
+    codec = o.codec
+    if o.head_dim is not None:  # the layout the codes take at this head_dim (`CacheOptions.for_dims`)
+        try:
+            codec = o.for_dims(o.head_dim, o.head_dim).codec
+        except ValueError:
+            pass
+    return f"{kind}: codec {codec!r}, keys {o.k_bits} / values {o.value_bits} bits, sink {o.sink}"
+
+
+def layer_kinds_note(caches) -> Optional[str]:
+    """One line saying, per kind of layer, which layers do what, when not every layer does the same (a model with
+    sliding-window layers: they code per token, and short windows at `CacheOptions.short_window_bits`); None
+    when every compressed layer does the same."""
+    groups: Dict[str, List[int]] = {}
+    for i, c in enumerate(caches):
+        what = _layer_summary(c)
+        if what is not None:
+            groups.setdefault(what, []).append(i)
+    if len(groups) < 2:
+        return None
+
+    def layers(ix):
+        return f"layer {ix[0]}" if len(ix) == 1 else f"{len(ix)} layers ({', '.join(map(str, ix))})"
+
+    return "layers by kind: " + "; ".join(f"{layers(ix)}: {what}" for what, ix in groups.items())
 
 
 def coverage_line(model, caches) -> Optional[str]:
