@@ -25,6 +25,7 @@ import numpy as np
 from mlx_lm.models.gemma3_text import Model, ModelArgs
 
 from .errors import ModelPackageMissing
+from .gguf import load_weights_checked
 from .gguf_numpy import read_gguf_numpy
 from .tokenizer import build_tokenizer
 
@@ -188,13 +189,7 @@ def build_gemma3_model(path: str | os.PathLike):
     except ValueError as e:
         raise ValueError(f"GGUF file {path}: {e}") from None
     weights = model.sanitize(weights)  # no lm_head.weight: ties the embedding and drops lm_head
-    try:
-        model.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:  # a tensor missing or of the wrong shape for the declared architecture
-        raise ValueError(f"GGUF file {path} does not match its gemma3 metadata: {e}") from None
-    mx.eval(model.parameters())
-    model.eval()
-    return model, meta
+    return load_weights_checked(model, weights, path, "gemma3"), meta
 
 
 def load_gemma3(path: str | os.PathLike | None = None, quantized: bool = False):

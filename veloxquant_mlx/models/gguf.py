@@ -165,10 +165,16 @@ def build_model_from_gguf(path: str | Path, quantized: bool = False):
                     )
                 continue  # scales/biases are folded into the float32 weight
             final[k] = v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v
+    return load_weights_checked(model, final, path, "llama"), meta
+
+
+def load_weights_checked(model, weights, path, architecture: str):
+    """``model`` with every one of ``weights`` (name -> array) loaded and evaluated, in eval mode; a tensor missing
+    or of the wrong shape for the declared architecture is a ValueError naming the file."""
     try:
-        model.load_weights(list(final.items()), strict=True)
-    except ValueError as e:  # a tensor missing or of the wrong shape for the declared architecture
-        raise ValueError(f"GGUF file {path} does not match its llama metadata: {e}") from None
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise ValueError(f"GGUF file {path} does not match its {architecture} metadata: {e}") from None
     mx.eval(model.parameters())
     model.eval()
-    return model, meta
+    return model
