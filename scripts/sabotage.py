@@ -52,7 +52,7 @@ TESTS = {
                     "tests/seed_api/test_turboquant_cache.py"],
     "bits_lower": ["tests/seed_api/test_turboquant_cache.py", "tests/mlx_lm/test_builder.py::test_caches_run_in_a_model_of_each_family",
                    "tests/apps/test_eval.py::test_lockstep_registered_specs_on_tiny_model",
-                   "tests/apps/test_cli.py::test_methods_lists_measured_bytes"],
+                   "tests/apps/test_cli.py::test_presets_lists_measured_bytes"],
     "loader_raises": ["tests/apps/test_model_loading.py", "tests/apps/test_cli.py::test_generate_streams_answer"],
     "nbytes_half": ["tests/mlx_lm/test_mlx_lm_paths.py::test_nbytes_is_the_sum_of_stored_arrays",
                     "tests/apps/test_eval.py::test_lockstep_registered_specs_on_tiny_model", "tests/cache/test_packed_cache.py"],
