@@ -47,15 +47,19 @@ def baseline_cache(name, model, head_dim):
 
 
 def cache_bytes(cache) -> int:
-    """Bytes a cache list holds for its tokens: the arrays of each layer's ``state`` (mlx_lm's caches: sliced to the
-    tokens held, a ring buffer whole; ours: codes, exact tokens and fits, as `live_nbytes`), spare capacity left out."""
+    """Bytes a cache list holds for its tokens: the arrays of each layer's ``state`` (mlx_lm's ``KVCache``: sliced to
+    the tokens held, as mlx_lm 0.32's ``state`` returns its whole buffer, grown 256 slots at a time; a ring buffer
+    whole; ours: codes, exact tokens and fits, as `live_nbytes`), spare capacity left out."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
+    from mlx_lm.models.cache import KVCache
 
     total = 0
     for c in cache:
         if hasattr(c, "live_nbytes"):
             total += int(c.live_nbytes)
+        elif type(c) is KVCache and c.keys is not None:
+            total += sum(a[..., : c.offset, :].nbytes for a in (c.keys, c.values))
         elif not c.empty():
             total += sum(a.nbytes for _, a in tree_flatten(c.state) if isinstance(a, mx.array))
     return total

@@ -203,7 +203,9 @@ def main(argv=None):
     ap.add_argument("--bits-lengths", default=",".join(map(str, REPORT_LENGTHS)),
                     help="lengths the bits (measure_bits, random tokens) are reported at, besides --contexts")
     ap.add_argument("--needle", action="store_true", help="also run the passkey test (9 cases by default)")
-    ap.add_argument("--needle-lengths", default="1024,2048,4096", help="passkey prompt lengths (x 3 depths)")
+    ap.add_argument("--needle-lengths", default="1024,2048,4096", help="passkey prompt lengths (x --needle-depths)")
+    ap.add_argument("--needle-depths", default="0.1,0.5,0.9",
+                    help="where the passkey sits in each prompt (fractions of the filler, each in [0, 1])")
     ap.add_argument("--needle-configs", default=None, help="configs for the passkey test (default: all)")
     ap.add_argument("--needle-corpus", default=DEFAULT_CORPUS, help="the passkey prompts' filler text")
     ap.add_argument("--calibration", default=None,
@@ -276,9 +278,15 @@ def run(args) -> dict:
         filler = corpus_tokens(tokenizer, args.needle_corpus)
         chosen = set(args.needle_configs.split(",")) if args.needle_configs else {s.name for s in specs}
         lengths = [int(x) for x in args.needle_lengths.split(",")]
+        try:
+            depths = [float(x) for x in args.needle_depths.split(",")]
+        except ValueError:
+            depths = []
+        if not depths or not all(0.0 <= d <= 1.0 for d in depths):
+            raise SystemExit(f"--needle-depths: fractions in [0, 1], got {args.needle_depths!r}")
         out = passkey_eval(model, tokenizer, filler, [s for s in specs if s.name in chosen], lengths=lengths,
-                           progress=False)
-        results["needle"] = {"corpus": args.needle_corpus, "lengths": lengths,
+                           depths=depths, progress=False)
+        results["needle"] = {"corpus": args.needle_corpus, "lengths": lengths, "depths": depths,
                              "results": {k: {"passed": v["passed"], "total": v["total"]} for k, v in out.items()}}
     return results
 
@@ -432,7 +440,8 @@ def markdown(results, args) -> str:
                    "in the model's attention shape), at each length and averaged over a KL window's positions:\n")
         out.append(bits_table(results))
     if needle:
-        out.append(f"Passkey: filler from {needle['corpus']}, lengths {needle['lengths']} x depths 10/50/90 %.\n")
+        out.append(f"Passkey: filler from {needle['corpus']}, lengths {needle['lengths']} x depths "
+                   f"{'/'.join(f'{100 * d:g}' for d in needle.get('depths', (0.1, 0.5, 0.9)))} %.\n")
     cal = results.get("calibration")
     if cal:
         out.append(f"`+cal`: calibration {cal['id']} ({cal['file']}, {cal['bytes']:,} bytes of arrays, per model), "

@@ -48,7 +48,18 @@ SOURCES = {
                        "python benchmarks/e2e_speed.py --configs all --out results/e2e_speed.json"),
     "memory.json": ("peak memory of a long prefill + decode through mlx_lm",
                     "python benchmarks/memory.py --prompt 4096 --decode 100 --out results/memory.json"),
+    "quality_gemma.json": ("Gemma 3 270M: perplexity / KL per corpus at 2048 and 8192 tokens",
+                           "python benchmarks/quality.py --model gemma3-270m --contexts 2048,8192 --windows 1,1 "
+                           "--bits-lengths 2048,8192 --configs kv,mlx-q8,mlx-q4,tq-affine-k8v4,tq-affine-k8v8,"
+                           "tq-affine-k4v4,tq-4b,tq-3b,tq-2b,tq4-sw,win:tq-4b,glob:tq-4b "
+                           "--context-configs 8192=mlx-q8,tq-affine-k8v4,tq-4b --out results/quality_gemma.json"),
+    "long_context.json": ("Gemma 3 270M to 32768 tokens: KV bytes, peak memory, prefill and paired decode speed",
+                          "python benchmarks/long_context.py --model gemma3-270m --lengths 4096,8192,32768 "
+                          "--out results/long_context.json"),
 }
+QUALITY_FILES = ("quality.json", "quality_gemma.json")
+CORPUS_NAMES = {"debian-reference": "Debian", "kjv": "Bible"}
+MODEL_NAMES = {"smollm2": "SmolLM2-135M", "gemma3-270m": "Gemma 3 270M"}
 MLX_BASELINES = ("mlx-q8", "mlx-q4")
 PLAIN = "kv"
 
@@ -136,7 +147,42 @@ def bits_at(name: str, tokens: int = BITS_AT) -> Optional[float]:
     return measure_bytes_per_token(spec.make_cache, 3, 64, context=tokens)["bits_per_coordinate"]
 
 
-def readme_block(demo: dict, e2e: Optional[dict], when: str) -> str:
+def gemma_rows(quality: Optional[dict], lc: Optional[dict]) -> Tuple[List[str], List[List[str]]]:
+    """The README's second table: a model with sliding windows (Gemma 3 270M) at 2048 / 8192 tokens (KL per corpus,
+    bits) and at the longest length of long_context.json (KV bytes, paired decode and unpaired prefill ratios)."""
+    names = [PLAIN, "mlx-q8", DEFAULT_NAME] + [b for b in BUDGETS if b == "tq-4b"]
+    head, rows = ["cache"], {n: [] for n in names}
+    if quality:
+        ctxs = sorted({c for per in quality.get("corpora", {}).values() for c in per.get("ppl", {})}, key=int)
+        bits = quality.get("bits") or {}
+        for c in ctxs:
+            head.append(f"bits @{c}")
+            for n in names:
+                rows[n].append(_f((bits.get(n) or {}).get("bits", {}).get(c), ".2f", "-"))
+        for corpus, per in quality.get("corpora", {}).items():
+            for c in ctxs:
+                head.append(f"KL {CORPUS_NAMES.get(corpus, corpus)} @{c}")
+                for n in names:
+                    r = per.get("ppl", {}).get(c, {}).get(n)
+                    rows[n].append("-" if r is None else f"{r['kl']:.4f}")
+    if lc and lc.get("runs"):
+        run = max(lc["runs"], key=lambda r: r["length"])
+        by = {PLAIN if c == "plain" else DEFAULT_NAME if c == "default" else c: c for c in lc.get("configs", [])}
+        base = run["configs"][lc["configs"][0]]
+        L = run["length"]
+        head += [f"KV MiB @{L}", f"decode x plain @{L}", f"prefill x plain @{L}"]
+        for n in names:
+            r = run["configs"].get(by.get(n, ""))
+            ratio = None if r is None else r.get(f"decode_x_{lc['configs'][0]}", [1.0] if r is base else None)
+            rows[n] += (["-"] * 3 if r is None else
+                        [f"{r['cache_bytes'] / 2**20:.1f}", _f(None if ratio is None else ratio[0], ".2f", "-"),
+                         f"{base['prefill_s'] / r['prefill_s']:.2f}"])
+    label = {PLAIN: "mlx_lm plain", "mlx-q8": "mlx_lm 8-bit", DEFAULT_NAME: f"`{DEFAULT_NAME}` (default)"}
+    return head, [[label.get(n, f"`{n}`")] + rows[n] for n in names if any(x != "-" for x in rows[n])]
+
+
+def readme_block(demo: dict, e2e: Optional[dict], when: str, gemma_quality: Optional[dict] = None,
+                 long_context: Optional[dict] = None) -> str:
     """The README's results table (and its plot), between the markers."""
     names = headline_names(list(demo.get("methods", {})))
     speed = {r["name"]: r for r in speed_rows(e2e)} if e2e else {}
@@ -164,8 +210,80 @@ def readme_block(demo: dict, e2e: Optional[dict], when: str) -> str:
                 f"paired speed against the plain cache: `{SOURCES['e2e_speed.json'][1]}`.")
              + " More: [docs/results.md](docs/results.md).",
              "", table(head, rows), "",
-             "![KL against bits per coordinate](docs/results-kl-bits.svg)", END]
-    return "\n".join(lines)
+             "![KL against bits per coordinate](docs/results-kl-bits.svg)"]
+    if gemma_quality or long_context:
+        g_head, g_rows = gemma_rows(gemma_quality, long_context)
+        lines += ["", "Gemma 3 270M (the embedded GGUF in float32; 15 of its 18 layers a 512-token sliding window): KL "
+                  "from `benchmarks/quality.py` (one window per length and corpus), bits by `measure_bits` in the "
+                  "model's own layout (a window layer counted as holding every position), the longest context from "
+                  f"`benchmarks/long_context.py` ({(long_context or {}).get('machine', 'not run')}). Commands and "
+                  "every figure: [docs/results.md](docs/results.md).", "", table(g_head, g_rows)]
+    return "\n".join(lines + [END])
+
+
+def quality_section(q: dict, name: str, when: str) -> List[str]:
+    """A quality.py JSON's tables: bits, Δppl and KL per method, context and corpus; passkey if run."""
+    out = [f"## Quality per corpus and context, {MODEL_NAMES.get(q.get('model'), q.get('model', 'model not recorded'))} "
+           f"(`results/{name}`, {when})", "", f"`{q.get('command') or SOURCES[name][1]}`", ""]
+    for corpus, per in q.get("corpora", {}).items():
+        ctxs = sorted(per.get("ppl", {}), key=int)
+        names = list(dict.fromkeys(n for c in ctxs for n in per["ppl"][c]))
+        head = ["method"] + [f"{k} @{c}" for c in ctxs for k in ("bits", "Δppl", "KL")]
+        rows = []
+        for method in names:
+            cells = [method]
+            for c in ctxs:
+                r = per["ppl"][c].get(method)
+                cells += ([f"{r['memory']['bits_per_coordinate']:.2f}", f"{r['delta_ppl']:+.3f}",
+                           f"{r['kl']:.4f}"] if r else ["not run", "", ""])
+            rows.append(cells)
+        out += [f"**{corpus}** ({per.get('tokens', '?')} tokens)", "", table(head, rows), ""]
+    needle = (q.get("needle") or {}).get("results")
+    if needle:
+        lengths = (q.get("needle") or {}).get("lengths")
+        out += [f"Passkey retrieval (prompt lengths {lengths}): "
+                + ", ".join(f"{n} {v['passed']}/{v['total']}" for n, v in needle.items()), ""]
+    return out
+
+
+def long_context_rows(run: dict, configs: Sequence[str]) -> List[List[str]]:
+    """One length of long_context.json: per config KV bytes and their share of the first config's, bits, peak
+    memory, prefill and decode (paired against the first config)."""
+    base = run["configs"][configs[0]]
+    rows = []
+    for c in configs:
+        r = run["configs"].get(c)
+        if r is None:
+            continue
+        ratio = r.get(f"decode_x_{configs[0]}")
+        peak = r.get("peak_process_bytes")
+        rows.append([c, f"{r['cache_bytes'] / 2**20:.2f}", f"{r['cache_bytes'] / base['cache_bytes']:.3f}",
+                     f"{r['bits']:.2f}", _f(None if peak is None else peak / 2**20, ".0f"),
+                     f"{r['peak_mlx_bytes'] / 2**20:.1f}", f"{r['prefill_s']:.1f}",
+                     f"{base['prefill_s'] / r['prefill_s']:.2f}", f"{r['decode_tok_s']:.2f}",
+                     "-" if ratio is None else f"{ratio[0]:.2f} [{ratio[1]:.2f}, {ratio[2]:.2f}]"])
+    return rows
+
+
+LONG_HEAD = ["cache", "KV MiB", "KV / plain", "bits", "peak process MiB", "peak MLX +MiB", "prefill s",
+             "prefill x plain", "decode tok/s", "decode x plain [95%]"]
+
+
+def long_context_section(lc: dict, when: str) -> List[str]:
+    configs = lc.get("configs", [])
+    out = [f"## Long context, {MODEL_NAMES.get(lc.get('model'), lc.get('model'))} (`results/long_context.json`, "
+           f"{when})", "", f"`{lc.get('command') or SOURCES['long_context.json'][1]}`; {lc.get('environment', '')}.",
+           "", "Per length, one fresh process; each cache as users get it (plain: mlx_lm's own layout; a preset: "
+           "`enable(model, PRESET)`), mlx_lm's `generate_step` over the prompt (chunks of "
+           f"{lc.get('prefill_step')}) and {lc.get('decode')} tokens: KV bytes (every stored array), peak process "
+           "memory (the loaded model's resident memory + the run's peak increase) and `mx.get_peak_memory` above "
+           "the run's start, prefill time (unpaired, one run each); then decode steps taken in turn by every cache "
+           "(paired ratio, bootstrap 95 % interval).", ""]
+    for run in lc.get("runs", []):
+        out += [f"**{run['length']} tokens** (weights {run['weights_bytes'] / 2**20:.0f} MiB, resident after "
+                f"loading {run['model_rss_bytes'] / 2**20:.0f} MiB)", "", table(LONG_HEAD, long_context_rows(run, configs)),
+                ""]
+    return out
 
 
 def page(found: Dict[str, dict], results: Path, plots: Dict[str, str]) -> str:
@@ -191,27 +309,9 @@ def page(found: Dict[str, dict], results: Path, plots: Dict[str, str]) -> str:
         if "kl-bits" in plots:
             out += ["", f"![KL against bits per coordinate]({plots['kl-bits']})"]
         out.append("")
-    if "quality.json" in found:
-        q = found["quality.json"]
-        out += [f"## Quality per corpus and context (`results/quality.json`, {stamp(results, 'quality.json')})", "",
-                f"`{q.get('command') or SOURCES['quality.json'][1]}`", ""]
-        for corpus, per in q.get("corpora", {}).items():
-            ctxs = sorted(per.get("ppl", {}), key=int)
-            names = list(dict.fromkeys(n for c in ctxs for n in per["ppl"][c]))
-            head = ["method"] + [f"{k} @{c}" for c in ctxs for k in ("bits", "Δppl", "KL")]
-            rows = []
-            for name in names:
-                cells = [name]
-                for c in ctxs:
-                    r = per["ppl"][c].get(name)
-                    cells += ([f"{r['memory']['bits_per_coordinate']:.2f}", f"{r['delta_ppl']:+.3f}",
-                               f"{r['kl']:.4f}"] if r else ["not run", "", ""])
-                rows.append(cells)
-            out += [f"**{corpus}** ({per.get('tokens', '?')} tokens)", "", table(head, rows), ""]
-        needle = (q.get("needle") or {}).get("results")
-        if needle:
-            out += ["Passkey retrieval: " + ", ".join(f"{n} {v['passed']}/{v['total']}" for n, v in needle.items()),
-                    ""]
+    for name in QUALITY_FILES:
+        if name in found:
+            out += quality_section(found[name], name, stamp(results, name))
     if "e2e_speed.json" in found:
         e = found["e2e_speed.json"]
         out += [f"## Speed at a long prompt (`results/e2e_speed.json`, {stamp(results, 'e2e_speed.json')})", "",
@@ -233,6 +333,8 @@ def page(found: Dict[str, dict], results: Path, plots: Dict[str, str]) -> str:
                 table(["cache", "peak MiB", "cache MiB", "seconds"],
                       [[n, _f(r.get("peak_mib"), ".1f"), _f(r.get("cache_mib"), ".2f"), _f(r.get("seconds"), ".1f")]
                        for n, r in m.get("caches", {}).items()]), ""]
+    if "long_context.json" in found:
+        out += long_context_section(found["long_context.json"], stamp(results, "long_context.json"))
     others = sorted(set(found) - set(SOURCES))
     if others:
         out += ["## Other JSONs present (not summarized here)", "",
@@ -365,7 +467,8 @@ def generate(results: Path, docs: Path, readme: Optional[Path]) -> List[Path]:
     written.append(docs / "results.md")
     if readme is not None:
         if "demo.json" in found:
-            block = readme_block(found["demo.json"], found.get("e2e_speed.json"), stamp(results, "demo.json"))
+            block = readme_block(found["demo.json"], found.get("e2e_speed.json"), stamp(results, "demo.json"),
+                                 found.get("quality_gemma.json"), found.get("long_context.json"))
             if update_readme(readme, block):
                 written.append(readme)
         else:

@@ -52,6 +52,30 @@ E2E = {"model": "smollm2", "prompt": 4096, "chunk": 512, "decode": 64, "fill": "
                  "cache_mib": 19.5, "decode_step_tok_s": 12.7, "decode_step_vs_kv": 1.27}]}
 MEMORY = {"model": "smollm2", "prompt": 4096, "decode": 100, "weights_bytes": 2**20 * 100,
           "caches": {"kv": {"peak_mib": 812.5, "cache_mib": 96.0, "seconds": 30.0}}}
+GEMMA_Q = {"model": "gemma3-270m", "command": "benchmarks/quality.py --model gemma3-270m", "configs": {},
+           "bits": {"kv": {"bits": {"2048": 12.0, "8192": 7.0}}, "mlx-q8": {"bits": {"2048": 9.0, "8192": 9.0}},
+                    DEFAULT_NAME: {"bits": {"2048": 3.88, "8192": 1.78}}, "tq-4b": {"bits": {"2048": 2.39}}},
+           "corpora": {c: {"tokens": 5000, "ppl": {
+               "2048": {"kv": _ppl(16.0, 0.0, 0.0, 12.0, 1.0), "mlx-q8": _ppl(16.1, 0.1, kl8, 9.0, 1.0),
+                        DEFAULT_NAME: _ppl(16.0, 0.0, kld, 3.88, 1.0), "tq-4b": _ppl(17.0, 1.0, kl4, 2.39, 1.0)},
+               "8192": {"kv": _ppl(15.0, 0.0, 0.0, 7.0, 1.0), DEFAULT_NAME: _ppl(15.0, 0.0, kld / 2, 1.78, 1.0)}}}
+               for c, kl8, kld, kl4 in (("debian-reference", 0.0010, 0.0006, 0.0533), ("kjv", 0.0061, 0.0053, 0.334))},
+           "needle": None}
+
+
+def _lc(nbytes, prefill, decode, ratio=None):
+    r = {"cache_bytes": nbytes, "bits": 8 * nbytes / (18 * 2 * 256 * 32868), "prefill_s": prefill,
+         "decode_tok_s": decode, "peak_mlx_bytes": 2**20 * 900, "peak_process_bytes": 2**20 * 2500}
+    if ratio:
+        r["decode_x_plain"] = ratio
+    return r
+
+
+LONG = {"model": "gemma3-270m", "machine": "test CPU, 2 cores", "environment": "MLX test", "decode": 100,
+        "prefill_step": 2048, "configs": ["plain", "default", "tq-4b"], "command": "benchmarks/long_context.py",
+        "runs": [{"length": 32768, "weights_bytes": 2**20 * 1023, "model_rss_bytes": 2**20 * 1512, "configs": {
+            "plain": _lc(2**20 * 200, 900.0, 3.0), "default": _lc(2**20 * 40, 850.0, 3.6, [1.2, 1.15, 1.25]),
+            "tq-4b": _lc(2**20 * 25, 880.0, 3.7, [1.23, 1.2, 1.26])}}]}
 README = """# title
 
 intro
@@ -84,7 +108,8 @@ def write(results: Path, **files):
 
 def test_page_plots_and_readme_from_every_json(folders):
     results, docs, readme = folders
-    write(results, demo=DEMO, quality=QUALITY, e2e_speed=E2E, memory=MEMORY, attention_row_plans={"x": 1})
+    write(results, demo=DEMO, quality=QUALITY, e2e_speed=E2E, memory=MEMORY, quality_gemma=GEMMA_Q, long_context=LONG,
+          attention_row_plans={"x": 1})
     (results / "broken.json").write_text("{not json", encoding="utf-8")
     done = run(results, docs, readme)
     assert done.returncode == 0, done.stderr
@@ -127,12 +152,27 @@ def test_page_plots_and_readme_from_every_json(folders):
     text = readme.read_text(encoding="utf-8")
     assert text.startswith("# title\n\nintro\n\n<!-- results:begin -->") and text.endswith("<!-- results:end -->\n\nrest\n")
     assert "old table" not in text and "mlx-q2" not in text
-    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| cache")]
+    smollm2 = text[: text.index("Gemma 3 270M")]
+    rows = [line for line in smollm2.splitlines() if line.startswith("| ") and not line.startswith("| cache")]
     assert [r.split(" | ")[0] for r in rows] == ["| mlx_lm plain", "| mlx_lm 8-bit", "| mlx_lm 4-bit",
                                                  f"| `{DEFAULT_NAME}` (default)", "| `tq-4b`"]
     assert [b for b in BUDGETS if b != "tq-4b"] and not any(b in text for b in BUDGETS if b != "tq-4b")
     assert rows[3].endswith("| 0.0036 | +0.020 | 13.9 | 1.27x |") and rows[1].endswith("| not measured |")
     assert "python scripts/results_page.py" in text and "docs/results-kl-bits.svg" in text
+    # the second model's table: KL per corpus and length, bits, and the longest context's bytes and ratios
+    gemma = text[text.index("Gemma 3 270M"):]
+    head = next(line for line in gemma.splitlines() if line.startswith("| cache"))
+    assert head == ("| cache | bits @2048 | bits @8192 | KL Debian @2048 | KL Debian @8192 | KL Bible @2048 | "
+                    "KL Bible @8192 | KV MiB @32768 | decode x plain @32768 | prefill x plain @32768 |")
+    g = {line.split(" | ")[0]: line for line in gemma.splitlines() if line.startswith("| ") and "cache" not in line}
+    assert g["| mlx_lm plain"].endswith("| 12.00 | 7.00 | 0.0000 | 0.0000 | 0.0000 | 0.0000 | 200.0 | 1.00 | 1.00 |")
+    assert g[f"| `{DEFAULT_NAME}` (default)"].endswith(
+        "| 3.88 | 1.78 | 0.0006 | 0.0003 | 0.0053 | 0.0027 | 40.0 | 1.20 | 1.06 |")
+    assert g["| mlx_lm 8-bit"].endswith("| 9.00 | 9.00 | 0.0010 | - | 0.0061 | - | - | - | - |")
+    assert g["| `tq-4b`"].endswith("| 2.39 | - | 0.0533 | - | 0.3340 | - | 25.0 | 1.23 | 1.02 |")
+    # the page: the second model's quality section and the long-context table
+    assert "## Quality per corpus and context, Gemma 3 270M (`results/quality_gemma.json`" in page
+    assert "| default | 40.00 | 0.200 |" in page and "| 2500 | 900.0 | 850.0 | 1.06 | 3.60 | 1.20 [1.15, 1.25] |" in page
 
     # a second run changes nothing (the page is a function of the JSONs)
     before = {p.name: p.read_bytes() for p in docs.iterdir()}, readme.read_bytes()
