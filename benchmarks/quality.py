@@ -217,11 +217,16 @@ def main(argv=None):
     ap.add_argument("--context-configs", default="", help="a subset of --configs at some contexts, e.g. "
                     "'4096=kv,tq-4b' (the rest run at every context)")
     ap.add_argument("--from-json", default=None,
-                    help="no run: write --markdown / --plot from saved --out files (comma list, merged in order)")
+                    help="no run: write --markdown / --plot from saved --out files (comma list, merged in order); "
+                         "with --merged-out, the merged JSON too")
+    ap.add_argument("--merged-out", default=None, help="--from-json: write the merged runs as one JSON here")
     args = ap.parse_args(argv)
 
     if args.from_json:
         results = merge([json.load(open(path)) for path in args.from_json.split(",")])
+        if args.merged_out:
+            save(args.merged_out, results)
+            print(f"wrote {args.merged_out}", file=sys.stderr)
     else:
         results = run(args)
         save(args.out, results)

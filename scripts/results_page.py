@@ -215,9 +215,12 @@ def readme_block(demo: dict, e2e: Optional[dict], when: str, gemma_quality: Opti
         g_head, g_rows = gemma_rows(gemma_quality, long_context)
         lines += ["", "Gemma 3 270M (the embedded GGUF in float32; 15 of its 18 layers a 512-token sliding window): KL "
                   "from `benchmarks/quality.py` (one window per length and corpus), bits by `measure_bits` in the "
-                  "model's own layout (a window layer counted as holding every position), the longest context from "
-                  f"`benchmarks/long_context.py` ({(long_context or {}).get('machine', 'not run')}). Commands and "
-                  "every figure: [docs/results.md](docs/results.md).", "", table(g_head, g_rows)]
+                  "model's own layout (a window layer counted as holding every position; mlx_lm's rows as the "
+                  "evaluation builds them, a `KVCache` / `QuantizedKVCache` in every layer: mlx_lm cannot quantize "
+                  "a `RotatingKVCache`, and its own plain layout, float32 windows of 512, is the long-context "
+                  "columns' plain), the longest context from `benchmarks/long_context.py` "
+                  f"({(long_context or {}).get('machine', 'not run')}; decode paired, prefill one run each). "
+                  "Commands and every figure: [docs/results.md](docs/results.md).", "", table(g_head, g_rows)]
     return "\n".join(lines + [END])
 
 
