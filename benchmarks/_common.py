@@ -9,7 +9,7 @@ Two kinds of scripts import it, neither editing ``sys.path`` (``veloxquant_mlx``
   repository root: ``benchmarks`` is then a package, so they ``from benchmarks import _common``.
 
 This module imports no other script and no MLX at module level (a script re-executes itself with OpenBLAS preloaded,
-`veloxquant_mlx.blas.ensure_openblas`, before MLX loads), so it is the same module under either name.
+`veloxquant_mlx.apps.blas.ensure_openblas`, before MLX loads), so it is the same module under either name.
 """
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ def parser(doc: str, brief: bool = False) -> argparse.ArgumentParser:
 
 
 def add_model(ap: argparse.ArgumentParser, default: str = DEFAULT_MODEL) -> None:
-    """``--model``: what `veloxquant_mlx.models.load_model` loads (default the embedded SmolLM2-135M)."""
-    ap.add_argument("--model", default=default, help=f"model for veloxquant_mlx.models.load_model (default {default})")
+    """``--model``: what `veloxquant_mlx.apps.models.load_model` loads (default the embedded SmolLM2-135M)."""
+    ap.add_argument("--model", default=default, help=f"model for veloxquant_mlx.apps.models.load_model (default {default})")
 
 
 def add_out(ap: argparse.ArgumentParser, default: Optional[str] = None, help: Optional[str] = None) -> None:
@@ -70,8 +70,8 @@ def mlx_version() -> str:
 
 
 def blas() -> str:
-    """Which BLAS serves MLX in this process (`veloxquant_mlx.blas.loaded_blas`)."""
-    from veloxquant_mlx.blas import loaded_blas
+    """Which BLAS serves MLX in this process (`veloxquant_mlx.apps.blas.loaded_blas`)."""
+    from veloxquant_mlx.apps.blas import loaded_blas
 
     return loaded_blas()
 
@@ -129,7 +129,7 @@ def aligned_table(head: Sequence[str], rows: Sequence[Sequence[Any]], sep: str =
 
 def registered(name: str):
     """The registered TurboQuant method called ``name`` (its `CacheSpec`), or None."""
-    from veloxquant_mlx.eval.specs import compressed_specs
+    from veloxquant_mlx.apps.eval.specs import compressed_specs
 
     return next((s for s in compressed_specs() if s.name == name), None)
 
@@ -151,7 +151,7 @@ def make_cache(name: str, model):
 
 def context_for(name: str):
     """What a configuration runs inside: ``use_packed_attention()`` for a registered method, else nothing."""
-    from veloxquant_mlx.integration import use_packed_attention
+    from veloxquant_mlx.integration.routing import use_packed_attention
 
     return use_packed_attention() if registered(name) is not None else contextlib.nullcontext()
 

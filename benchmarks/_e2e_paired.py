@@ -46,7 +46,7 @@ def make_cache(name, model):
 def context_for(name):
     """`_common.context_for`; the ``-hook`` configs of `OURS` run inside ``use_packed_attention()`` too."""
     if name.endswith("-hook"):
-        from veloxquant_mlx.integration import use_packed_attention
+        from veloxquant_mlx.integration.routing import use_packed_attention
 
         return use_packed_attention()
     return _common.context_for(name)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from veloxquant_mlx.rotation import make_rotation
+from veloxquant_mlx.quant.rotation import make_rotation
 
 
 def rope_settings(rope) -> dict:

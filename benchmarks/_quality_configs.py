@@ -1,5 +1,5 @@
 """The research configurations of ``benchmarks/quality.py`` (``--configs NAME``): `OURS`, name -> make_prompt_cache
-options, beside the baselines and the registered configurations (``veloxquant_mlx.eval.specs.CONFIGURATIONS``), and
+options, beside the baselines and the registered configurations (``veloxquant_mlx.apps.eval.specs.CONFIGURATIONS``), and
 the two helpers that build issue 47's entries (`_tail_layout`, `_budget_variant`).
 
 ``quality.py`` imports it (``from _quality_configs import OURS, ...``: the script's folder is first on ``sys.path``)
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from veloxquant_mlx.codecs import CODECS, CodecLayout
 from veloxquant_mlx.codecs.kblock_tail import TailedBlockKeyCodec, TailedSymValueCodec
-from veloxquant_mlx.options import preset
+from veloxquant_mlx.cache.presets import preset
 
 
 # Issue 47's research layouts: the budget layout with its waiting keys' provisional codes at b + E bits (the
@@ -57,7 +57,7 @@ OURS = {
                           trim_headroom=0),
     "prod-k5v3": dict(method="turboquant_prod", k_bits=5, v_bits=3),
     "rvq-k2v2": dict(method="turboquant_rvq", k_bits=2, v_bits=2),
-    # The registered configurations (veloxquant_mlx.eval.specs): first 4 tokens exact.
+    # The registered configurations (veloxquant_mlx.apps.eval.specs): first 4 tokens exact.
     "k4v4-s4": dict(k_bits=4, v_bits=4, sink=4),
     "k3v3-s4": dict(k_bits=3, v_bits=3, sink=4),
     "k2v2-s4": dict(k_bits=2, v_bits=2, sink=4),

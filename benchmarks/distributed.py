@@ -3,7 +3,7 @@
     python benchmarks/distributed.py [--ranks 1,2,3] [--preset tq-affine-k8v8] [--prompt 1024] [--decode 32]
 
 Each row is one ``mlx.launch -n N --backend ring`` on this machine (loopback): every rank loads the model, keeps
-its share of the KV heads (tensor parallel, ``veloxquant_mlx.distributed.shard``), `enable`s the compressed
+its share of the KV heads (tensor parallel, ``veloxquant_mlx.apps.distributed.shard``), `enable`s the compressed
 caches, prefills ``--prompt`` tokens of the evaluation corpus and decodes ``--decode`` greedy tokens. KV bytes are
 the ``nbytes`` each rank's caches hold after the run, over the tokens they hold. All ranks share this machine's
 CPU cores, so the speed column shows the cost of the collectives and of sharing cores, not what separate
@@ -28,10 +28,10 @@ def worker(args) -> int:
     from mlx_lm.models.cache import make_prompt_cache
 
     import veloxquant_mlx as vq
-    from veloxquant_mlx.distributed import local_kv_heads, shard
-    from veloxquant_mlx.eval import corpus_tokens
-    from veloxquant_mlx.eval.specs import resolve_spec
-    from veloxquant_mlx.models import load_model
+    from veloxquant_mlx.apps.distributed import local_kv_heads, shard
+    from veloxquant_mlx.apps.eval import corpus_tokens
+    from veloxquant_mlx.apps.eval.specs import resolve_spec
+    from veloxquant_mlx.apps.models import load_model
 
     group = mx.distributed.init()
     model, tok = load_model("smollm2")
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from veloxquant_mlx.blas import ensure_openblas
+    from veloxquant_mlx.apps.blas import ensure_openblas
 
     ensure_openblas()  # re-executes with Debian's OpenBLAS when it is installed (MLX's CPU wheel: a slow BLAS)
     sys.exit(main())

@@ -109,14 +109,14 @@ from _e2e_enabled import (  # noqa: F401
 
 
 def main(argv=None):
-    from veloxquant_mlx.blas import ensure_openblas
+    from veloxquant_mlx.apps.blas import ensure_openblas
 
     ensure_openblas()  # before mlx is imported: re-executes with OpenBLAS preloaded
 
     import mlx.core as mx
 
-    from veloxquant_mlx.eval import corpus_tokens
-    from veloxquant_mlx.models.loader import load_model
+    from veloxquant_mlx.apps.eval import corpus_tokens
+    from veloxquant_mlx.apps.models.loader import load_model
 
     ap = _common.parser(__doc__)
     _common.add_model(ap)
@@ -190,7 +190,7 @@ def main(argv=None):
         return
     configs = [c for c in args.configs.split(",") if c]
     if configs == ["all"]:
-        from veloxquant_mlx.eval.specs import CONFIGURATIONS
+        from veloxquant_mlx.apps.eval.specs import CONFIGURATIONS
 
         configs = ["kv", "mlx-q4", *CONFIGURATIONS]
     loops = [c for c in args.loops.split(",") if c]
@@ -339,7 +339,7 @@ def main_enabled(args):
     mode = "gen" if args.gen_list else "shape"
     out_path = args.out or f"results/e2e_{'gen' if mode == 'gen' else 'shapes'}.json"
     options = () if args.preset is None else (args.preset,)
-    from veloxquant_mlx.options import DEFAULT_NAME
+    from veloxquant_mlx.cache.presets import DEFAULT_NAME
 
     preset_name = args.preset or DEFAULT_NAME
     print(f"{_common.environment()}; attention on codes: {attention_kernel.status()[1]}; "
@@ -361,8 +361,8 @@ def main_enabled(args):
         gc.collect()
         mx.clear_cache()
         if name is None:
-            from veloxquant_mlx.eval import corpus_tokens
-            from veloxquant_mlx.models.loader import load_model
+            from veloxquant_mlx.apps.eval import corpus_tokens
+            from veloxquant_mlx.apps.models.loader import load_model
 
             model, tok = load_model(args.model)
             info = {"shape": f"real model {args.model}", "vocab": None}

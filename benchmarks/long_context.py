@@ -5,7 +5,7 @@ child process (peak process memory means nothing after a longer run), which, for
 
 1. builds the caches as a user gets them: ``plain`` = mlx_lm's ``make_prompt_cache(model)`` with nothing of ours
    (Gemma: a ``RotatingKVCache`` per 512-token window layer, a ``KVCache`` per global one); a preset name (``default``
-   = `veloxquant_mlx.options.DEFAULT_NAME`) = ``veloxquant_mlx.enable(model, PRESET)`` then mlx_lm's
+   = `veloxquant_mlx.cache.presets.DEFAULT_NAME`) = ``veloxquant_mlx.enable(model, PRESET)`` then mlx_lm's
    ``make_prompt_cache(model)``;
 2. runs mlx_lm's ``generate_step`` over the L-token prompt (corpus text, repeated if shorter; chunks of
    ``--prefill-step``, mlx_lm's default 2048) and ``--decode`` greedy tokens, timing the prefill (until the first
@@ -83,9 +83,9 @@ def run_length(model_name: str, length: int, configs, decode: int, prefill_step:
     from mlx_lm.models.cache import make_prompt_cache
 
     import veloxquant_mlx as vq
-    from veloxquant_mlx.eval import corpus_tokens
-    from veloxquant_mlx.models.loader import load_model
-    from veloxquant_mlx.options import DEFAULT_NAME
+    from veloxquant_mlx.apps.eval import corpus_tokens
+    from veloxquant_mlx.apps.models.loader import load_model
+    from veloxquant_mlx.cache.presets import DEFAULT_NAME
 
     model, tok = load_model(model_name)
     mx.eval(model.parameters())
@@ -165,7 +165,7 @@ def run_length(model_name: str, length: int, configs, decode: int, prefill_step:
 
 
 def main(argv=None):
-    from veloxquant_mlx.blas import ensure_openblas
+    from veloxquant_mlx.apps.blas import ensure_openblas
 
     ensure_openblas()
     ap = _common.parser(__doc__)

@@ -6,7 +6,7 @@ greedy tokens; report ``mx.get_peak_memory()`` (model weights included) and the 
 
     python benchmarks/memory.py --prompt 4096 --decode 100 --out results/memory.json
 
-``--bits``: no model run; the one rule for bits (`veloxquant_mlx.eval.memory.measure_bits`: every stored byte of
+``--bits``: no model run; the one rule for bits (`veloxquant_mlx.apps.eval.memory.measure_bits`: every stored byte of
 caches holding random tokens in SmolLM2's attention shape, 3 KV heads of 64) for each registered configuration at
 512, 2048, 3000 and 4096 tokens, averaged over a KL window's positions, and the most held after any chunk; the
 budget presets also in the layout before issue 47 (``-exact-tail``: tokens waiting for their key block held
@@ -19,7 +19,7 @@ from __future__ import annotations
 import gc
 import time
 
-from veloxquant_mlx.blas import ensure_openblas
+from veloxquant_mlx.apps.blas import ensure_openblas
 
 import _common
 
@@ -31,8 +31,8 @@ from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import KVCache, QuantizedKVCache  # noqa: E402
 
 import veloxquant_mlx as vq  # noqa: E402
-from veloxquant_mlx.eval import corpus_tokens  # noqa: E402
-from veloxquant_mlx.models.loader import load_model  # noqa: E402
+from veloxquant_mlx.apps.eval import corpus_tokens  # noqa: E402
+from veloxquant_mlx.apps.models.loader import load_model  # noqa: E402
 
 CACHES = {
     "kv": lambda m: [KVCache() for _ in m.layers],
@@ -68,9 +68,9 @@ def bits_table(kv_heads: int = 3, head_dim: int = 64, lengths=None) -> dict:
     import dataclasses
 
     from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache
-    from veloxquant_mlx.eval.memory import REPORT_LENGTHS, measure_bits
-    from veloxquant_mlx.eval.specs import registered_specs
-    from veloxquant_mlx.options import BUDGETS, PRESETS
+    from veloxquant_mlx.apps.eval.memory import REPORT_LENGTHS, measure_bits
+    from veloxquant_mlx.apps.eval.specs import registered_specs
+    from veloxquant_mlx.cache.presets import BUDGETS, PRESETS
 
     lengths = tuple(lengths or REPORT_LENGTHS)
     makes = {s.name: s.make_cache for s in registered_specs()}

@@ -1,7 +1,7 @@
 """Quality of our caches against mlx-lm's on SmolLM2-135M, in one run over the same windows.
 
 For each configuration: perplexity and its change against the plain KVCache, KL (nats/token) and top-1
-agreement in lockstep with it (veloxquant_mlx.eval.perplexity_eval), stored bytes per token and bits per
+agreement in lockstep with it (veloxquant_mlx.apps.eval.perplexity_eval), stored bytes per token and bits per
 coordinate (every stored byte — codes, norms, exact windows, fitted means/outlier indices — over the
 cached K and V coordinates, taken from the caches holding one full window), and optionally the 9-case
 needle (passkey) test. Each row says which bit budget it fits and whether it meets that budget's targets:
@@ -36,7 +36,7 @@ import os
 import sys
 import time
 
-from veloxquant_mlx.blas import ensure_openblas
+from veloxquant_mlx.apps.blas import ensure_openblas
 
 import _common
 
@@ -44,19 +44,19 @@ ensure_openblas()
 
 
 import veloxquant_mlx as vq  # noqa: E402
-from veloxquant_mlx.eval import (  # noqa: E402
+from veloxquant_mlx.apps.eval import (  # noqa: E402
     CacheSpec,
     baseline_specs,
     corpus_tokens,
     passkey_eval,
     perplexity_eval,
 )
-from veloxquant_mlx.calibration.file import SUFFIX as CALIBRATION_SUFFIX  # noqa: E402
-from veloxquant_mlx.eval.corpus import CORPORA, DEFAULT_CORPUS  # noqa: E402
-from veloxquant_mlx.eval.memory import REPORT_LENGTHS, measure_bits, model_kv_shape  # noqa: E402
-from veloxquant_mlx.eval.specs import CONFIGURATIONS, compressed_spec, with_calibration  # noqa: E402
-from veloxquant_mlx.options import CacheOptions  # noqa: E402
-from veloxquant_mlx.models.loader import load_model  # noqa: E402
+from veloxquant_mlx.integration.calibration import SUFFIX as CALIBRATION_SUFFIX  # noqa: E402
+from veloxquant_mlx.apps.eval.corpus import CORPORA, DEFAULT_CORPUS  # noqa: E402
+from veloxquant_mlx.apps.eval.memory import REPORT_LENGTHS, measure_bits, model_kv_shape  # noqa: E402
+from veloxquant_mlx.apps.eval.specs import CONFIGURATIONS, compressed_spec, with_calibration  # noqa: E402
+from veloxquant_mlx.cache.options import CacheOptions  # noqa: E402
+from veloxquant_mlx.apps.models.loader import load_model  # noqa: E402
 
 # The research configurations (name -> make_prompt_cache options) and the helpers that build issue 47's entries
 # live in _quality_configs.py; imported here so that quality.OURS and the rest stay where they were.
@@ -274,7 +274,7 @@ def run(args) -> dict:
             reference = next(s for s in chosen if s.name == "kv")
             r = perplexity_eval(model, tokens[corpus], chosen, context=ctx, n_windows=nw, chunk=args.chunk,
                                 reference=reference, progress=False)
-            # r[name]["memory"]: every stored byte after the window (veloxquant_mlx.eval.memory.cache_memory)
+            # r[name]["memory"]: every stored byte after the window (veloxquant_mlx.apps.eval.memory.cache_memory)
             results["corpora"][corpus]["ppl"][str(ctx)] = r
             print(f"[{corpus}, context {ctx}, {nw} window(s): {time.time() - t0:.0f} s]", file=sys.stderr)
             save(args.out, results)  # keep what is measured even if a later stage is interrupted
@@ -441,7 +441,7 @@ def markdown(results, args) -> str:
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
     if results.get("bits"):
-        out.append("Bits per coordinate, every stored byte (`veloxquant_mlx.eval.memory.measure_bits`, random tokens "
+        out.append("Bits per coordinate, every stored byte (`veloxquant_mlx.apps.eval.memory.measure_bits`, random tokens "
                    "in the model's attention shape), at each length and averaged over a KL window's positions:\n")
         out.append(bits_table(results))
     if needle:

@@ -16,7 +16,7 @@ run stops at ``--max-seconds``.
 
 Each prompt is a shared context paragraph (about ``--context-tokens`` tokens) plus one of several questions, so the
 prompt cache has a common prefix to reuse. Then the KV memory: how many ``--capacity-tokens``-token sequences
-(4096) fit in ``--budget-gib`` (1 GiB) of KV cache, from the measured ``nbytes`` (`veloxquant_mlx.eval.memory`)
+(4096) fit in ``--budget-gib`` (1 GiB) of KV cache, from the measured ``nbytes`` (`veloxquant_mlx.apps.eval.memory`)
 of the caches the batch holds (two sequences merged into mlx_lm's ``BatchKVCache`` / our batch cache; mlx-lm's
 4-bit cache cannot be batched, so its own per-sequence cache).
 """
@@ -69,7 +69,7 @@ def _post(port: int, body: dict, timeout: float):
 
 
 def _serve(serve_args, model, tokenizer, max_tokens):
-    from veloxquant_mlx import server as vs
+    from veloxquant_mlx.apps import server as vs
 
     args = vs.add_serve_arguments(argparse.ArgumentParser()).parse_args(
         ["--host", "127.0.0.1", "--log-level", "WARNING", "--max-tokens", str(max_tokens)] + serve_args
@@ -91,9 +91,9 @@ class ServerProcess:
     """
 
     def __init__(self, serve_args, model, model_name: str, max_tokens: int, timeout: float = 300.0):
-        from veloxquant_mlx.eval.memory import measure_footprint
-        from veloxquant_mlx.eval.specs import resolve_spec
-        from veloxquant_mlx.server import probe_batching
+        from veloxquant_mlx.apps.eval.memory import measure_footprint
+        from veloxquant_mlx.apps.eval.specs import resolve_spec
+        from veloxquant_mlx.apps.server import probe_batching
 
         method = serve_args[serve_args.index("--preset") + 1]
         make_cache = resolve_spec(method).make_cache
@@ -254,9 +254,9 @@ def capacity(model, tokens: int, budget_bytes: float, seed: int = 0):
     """
     import mlx.core as mx
 
-    from veloxquant_mlx.integration import use_packed_attention
-    from veloxquant_mlx.eval.memory import cache_nbytes, model_kv_shape
-    from veloxquant_mlx.eval.specs import resolve_spec
+    from veloxquant_mlx.integration.routing import use_packed_attention
+    from veloxquant_mlx.apps.eval.memory import cache_nbytes, model_kv_shape
+    from veloxquant_mlx.apps.eval.specs import resolve_spec
 
     n_layers, kv_heads, head_dim = model_kv_shape(model)
     dtype = model.model.embed_tokens.weight.dtype
@@ -310,7 +310,7 @@ def _capacity_table(rows, tokens: int, budget_gib: float):
 
 def main(argv=None) -> int:
     try:
-        from veloxquant_mlx.blas import ensure_openblas
+        from veloxquant_mlx.apps.blas import ensure_openblas
 
         ensure_openblas()
     except ImportError:
@@ -342,7 +342,7 @@ def main(argv=None) -> int:
     if any(c < 1 for c in a.concurrency) or not a.budget_gib > 0:
         p.error("--concurrency levels must be at least 1 and --budget-gib positive")
 
-    from veloxquant_mlx.models import load_model
+    from veloxquant_mlx.apps.models import load_model
 
     model, tokenizer = load_model(a.model)
     reps = max(1, round(a.context_tokens / max(1, len(tokenizer.encode(CONTEXT)))))

@@ -44,7 +44,7 @@ import _common
 
 
 def _kv_bytes(cache):
-    from veloxquant_mlx.eval.memory import cache_nbytes
+    from veloxquant_mlx.apps.eval.memory import cache_nbytes
 
     held = sum(cache_nbytes(c) for c in cache)
     live = sum(int(getattr(c, "live_nbytes", cache_nbytes(c))) for c in cache)
@@ -67,7 +67,7 @@ def config_line(make_cache, kv_heads: int, head_dim: int, n_layers: int, start: 
     """
     import mlx.core as mx
 
-    from veloxquant_mlx.eval.memory import _stub_model, measure_bytes_per_token
+    from veloxquant_mlx.apps.eval.memory import _stub_model, measure_bytes_per_token
 
     bpt = measure_bytes_per_token(make_cache, kv_heads, head_dim)["marginal_bytes_per_token_per_layer"]
     cache = make_cache(_stub_model(1, kv_heads, head_dim))[0]
@@ -87,7 +87,7 @@ def _generate(model, tok, ids, cache, tokens: int, every: int, model_bytes: int)
     import mlx.core as mx
     from mlx_lm import stream_generate
 
-    from veloxquant_mlx.integration import use_packed_attention
+    from veloxquant_mlx.integration.routing import use_packed_attention
 
     eos = sorted(set(getattr(tok, "eos_token_ids", None) or []))
     eos_idx = mx.array(eos, dtype=mx.int32) if eos else None
@@ -126,10 +126,10 @@ def _generate(model, tok, ids, cache, tokens: int, every: int, model_bytes: int)
 def run(args) -> dict:
     from mlx.utils import tree_flatten
 
-    from veloxquant_mlx.cli import _chat_ids
-    from veloxquant_mlx.eval.memory import model_kv_shape
-    from veloxquant_mlx.eval.specs import resolve_spec
-    from veloxquant_mlx.models import load_model
+    from veloxquant_mlx.apps.cli.common import _chat_ids
+    from veloxquant_mlx.apps.eval.memory import model_kv_shape
+    from veloxquant_mlx.apps.eval.specs import resolve_spec
+    from veloxquant_mlx.apps.models import load_model
 
     model, tok = load_model(args.model)
     n_layers, kv_heads, head_dim = model_kv_shape(model)
@@ -220,7 +220,7 @@ def _print(r: dict) -> None:
 
 def main(argv=None) -> int:
     if argv is None:  # as `veloxquant generate` does: re-exec with OpenBLAS preloaded before MLX loads
-        from veloxquant_mlx.blas import ensure_openblas
+        from veloxquant_mlx.apps.blas import ensure_openblas
 
         ensure_openblas()
     p = _common.parser(__doc__, brief=True)

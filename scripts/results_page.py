@@ -17,7 +17,7 @@ missing says which command makes it. Known inputs (`SOURCES`):
 Any other JSON under ``results/`` is listed by name (present, not summarized). The plots are SVG written here by
 hand (no plotting library needed). The README's table goes between ``<!-- results:begin -->`` and
 ``<!-- results:end -->``; without ``results/demo.json`` the README is left as it is (its table is never replaced by
-nothing). Standard library only, plus `veloxquant_mlx.options` for the default's and the budgets' names.
+nothing). Standard library only, plus `veloxquant_mlx.cache.options` for the default's and the budgets' names.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from veloxquant_mlx.options import BUDGETS, DEFAULT_NAME  # noqa: E402
+from veloxquant_mlx.cache.presets import BUDGETS, DEFAULT_NAME  # noqa: E402
 
 COMMAND = "python scripts/results_page.py"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
@@ -43,7 +43,8 @@ SOURCES = {
     "demo.json": ("every method on one perplexity slice of SmolLM2 (the README's table)",
                   "veloxquant demo --out results/demo.json"),
     "quality.json": ("perplexity / KL per corpus and context, passkey",
-                     "python benchmarks/quality.py --contexts 512,2048 --windows 1,1 --needle --out results/quality.json"),
+                     "python benchmarks/quality.py --contexts 512,2048 --windows 1,1 --needle "
+                     "--configs kv,mlx-q8,mlx-q4,tq-affine-k8v4,tq-affine-k4v4,tq-4b,tq-3b,tq-2b --out results/quality.json"),
     "e2e_speed.json": ("prefill / decode speed and peak memory at a long prompt",
                        "python benchmarks/e2e_speed.py --configs all --out results/e2e_speed.json"),
     "memory.json": ("peak memory of a long prefill + decode through mlx_lm",
@@ -90,9 +91,14 @@ def headline_names(methods: Sequence[str]) -> List[str]:
     return [n for n in wanted if n in methods]
 
 
+def demo_presets(demo: dict) -> dict:
+    """A demo run's per-preset results: key ``presets`` (``methods`` in runs before issue 57, still read)."""
+    return demo.get("presets", demo.get("methods", {}))
+
+
 def demo_rows(demo: dict, names: Optional[Sequence[str]] = None) -> List[dict]:
-    """One row per method of a demo run: name, bits, KV MiB, ppl, Δppl, KL, decode tok/s, answer."""
-    methods = demo.get("methods", {})
+    """One row per preset of a demo run: name, bits, KV MiB, ppl, Δppl, KL, decode tok/s, answer."""
+    methods = demo_presets(demo)
     rows = []
     for name in (names if names is not None else list(methods)):
         r = methods[name]
@@ -137,8 +143,8 @@ BITS_AT = 2048  # a round length, not a block boundary: the demo's 513 tokens cl
 def bits_at(name: str, tokens: int = BITS_AT) -> Optional[float]:
     """Bits per coordinate (every stored byte) of method ``name``'s cache holding ``tokens`` random tokens of
     SmolLM2's attention shape (3 KV heads, head_dim 64: the demo's model), or None for a name no spec resolves."""
-    from veloxquant_mlx.eval.memory import measure_bytes_per_token
-    from veloxquant_mlx.eval.specs import resolve_spec
+    from veloxquant_mlx.apps.eval.memory import measure_bytes_per_token
+    from veloxquant_mlx.apps.eval.specs import resolve_spec
 
     try:
         spec = resolve_spec(name)
@@ -184,7 +190,7 @@ def gemma_rows(quality: Optional[dict], lc: Optional[dict]) -> Tuple[List[str], 
 def readme_block(demo: dict, e2e: Optional[dict], when: str, gemma_quality: Optional[dict] = None,
                  long_context: Optional[dict] = None) -> str:
     """The README's results table (and its plot), between the markers."""
-    names = headline_names(list(demo.get("methods", {})))
+    names = headline_names(list(demo_presets(demo)))
     speed = {r["name"]: r for r in speed_rows(e2e)} if e2e else {}
     ctx = demo.get("context")
     head = ["cache", f"bits / coordinate @{ctx}", f"bits @{BITS_AT}", f"KV MiB @{ctx}", "KL (nats/token)", "Δppl",

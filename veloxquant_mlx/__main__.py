@@ -12,6 +12,6 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--launch-path"]:
         print(os.path.abspath(__file__))
         sys.exit(0)
-    from veloxquant_mlx.launcher import run
+    from veloxquant_mlx.apps.launcher import run
 
     run()

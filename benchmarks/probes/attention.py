@@ -49,15 +49,22 @@ slots, live codes: two coded spans), filled with WINDOW tokens then 300 decode s
 combination for keys and values interleaved, at ``--lengths`` (default 16k), ``--heads`` KV heads, ``--dims``::
 
     python -m benchmarks.probes.attention --row-plans --rs 1 2 3 4 6 8 16 --dims 64 128 --repeats 9
+
+``--smoke`` runs every mode above once at 256 tokens, one repeat (the table on d=64, ``--shape smollm2-135m``, with
+``--rotating``, ``--row-plans`` for R=3, d=64 where the kernel is built): the code runs, the figures mean nothing.
+The JSON files go beside ``--out`` (``STEM_table.json``, ``STEM_shapes.json``, ...; default a temporary folder)::
+
+    python -m benchmarks.probes.attention --smoke --out /tmp/attention.json
 """
 from __future__ import annotations
 
 import os
 import random
 import statistics
+import tempfile
 import time
 
-from veloxquant_mlx.blas import ensure_openblas
+from veloxquant_mlx.apps.blas import ensure_openblas
 
 from benchmarks import _common
 from benchmarks._shapes import SHAPES as _MODELS
@@ -103,8 +110,8 @@ def build_shape_candidates(Hq: int, Hkv: int, d: int, n: int, seed: int):
     import mlx.core as mx
 
     from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache
-    from veloxquant_mlx.integration import use_packed_attention
-    from veloxquant_mlx.options import DEFAULT_NAME
+    from veloxquant_mlx.integration.routing import use_packed_attention
+    from veloxquant_mlx.cache.presets import DEFAULT_NAME
 
     k1, k2, k3 = mx.random.split(mx.random.key(seed), 3)
     K = mx.random.normal((1, Hkv, n, d), key=k1) + 0.5 * mx.random.normal((1, Hkv, 1, d), key=k3)
@@ -166,8 +173,9 @@ def build_rotating_candidates(Hq: int, Hkv: int, d: int, window: int, seed: int)
 
     from veloxquant_mlx.attention import kernel
     from veloxquant_mlx.cache.packed_cache import TurboQuantRotatingPackedCache
-    from veloxquant_mlx.integration import _window_options, use_packed_attention
-    from veloxquant_mlx.options import DEFAULT_NAME, resolve_options
+    from veloxquant_mlx.integration.builder import _window_options
+    from veloxquant_mlx.integration.routing import use_packed_attention
+    from veloxquant_mlx.cache.presets import DEFAULT_NAME, resolve_options
 
     keep, extra = 8, 300
     options = _window_options(resolve_options(DEFAULT_NAME), keep, "RotatingKVCache")
@@ -384,6 +392,25 @@ def time_interleaved(cands, repeats: int, seed: int):
     return times
 
 
+def run_smoke(args) -> None:
+    """``--smoke``: every mode once, 256 tokens, one repeat; each mode's JSON beside ``--out``."""
+    from veloxquant_mlx.attention import kernel
+
+    stem = os.path.splitext(args.out or os.path.join(tempfile.mkdtemp(prefix="attention_smoke_"), "attention"))[0]
+    small = ["--lengths", "256", "--repeats", "1", "--seed", str(args.seed)]
+    modes = {"table": ["--shapes", "d64", "--lloyd-max-n", "256"],
+             "shapes": ["--shape", "smollm2-135m"],
+             "rotating": ["--shape", "smollm2-135m", "--rotating"]}
+    mod = kernel.compiled_module()
+    if mod is not None and hasattr(mod, "set_row_plan"):
+        modes["row_plans"] = ["--row-plans", "--rs", "3", "--dims", "64", "--heads", "1"]
+    else:
+        print(f"--row-plans left out: {kernel.status()[1]}")
+    for name, extra in modes.items():
+        print(f"\n== smoke: {name}", flush=True)
+        main(small + extra + ["--out", f"{stem}_{name}.json"])
+
+
 def main(argv=None):
     ap = _common.parser(__doc__)
     ap.add_argument("--quick", action="store_true", help="n up to 4k only")
@@ -411,7 +438,10 @@ def main(argv=None):
                     "KV head")
     ap.add_argument("--dims", type=int, nargs="+", default=[64, 128], help="--row-plans: head dims")
     ap.add_argument("--heads", type=int, default=4, help="--row-plans: KV heads")
+    ap.add_argument("--smoke", action="store_true", help="every mode once at 256 tokens, one repeat (docstring)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        return run_smoke(args)
     if args.row_plans:
         return run_row_plans(args)
     if args.shape:

@@ -1,26 +1,32 @@
 """Calibrated caches against uncalibrated ones on SmolLM2-135M, on two corpora: the budgets' table and the levers.
 
 One command: calibrate (the default calibration text: the model's own greedy answers to
-`veloxquant_mlx.measure_calibration.DEFAULT_PROMPTS`, never an evaluation corpus) or load ``--calibration FILE``,
-then run every ``--configs`` entry in lockstep with the plain cache on each corpus (KL, top-1, perplexity, bits per
-coordinate from the stored bytes), and optionally passkey retrieval.
+`veloxquant_mlx.integration.measure_calibration.DEFAULT_PROMPTS`, never an evaluation corpus) or load
+``--calibration FILE``, then run every ``--configs`` entry in lockstep with the plain cache on each corpus (KL, top-1,
+perplexity, bits per coordinate from the stored bytes), and optionally passkey retrieval.
 
 A config is ``PRESET`` (uncalibrated) or ``PRESET+LEVER``; the levers are variants of the one calibration:
 
 - ``cal``: the calibration as `calibrate` makes it (key and value channel weights);
 - ``calK`` / ``calV``: key weights only / value weights only (the other side's weights 1);
 - ``calK.125``, ``cal.5``, ``cal.125``: the weights recomputed from the same statistics with another exponent
-  (0.25 is the optimum for a rotated code's error model; see `veloxquant_mlx.calibration.weights`).
+  (0.25 is the optimum for a rotated code's error model; see `veloxquant_mlx.quant.channel_weights`).
 
     python -m benchmarks.probes.calibration --contexts 512,2048 --windows 2,1 --out results/calibration.json
     python -m benchmarks.probes.calibration --configs tq-4b,tq-4b+cal --contexts 4096 --windows 1 --needle
+
+``--smoke``: a tiny random llama (`benchmarks/probes/_smoke.py`) calibrated on its own 16-token answers, every lever
+on ``tq-4b`` and ``tq-affine-k8v4+cal``, one 160-token window of each corpus, passkey at 256 tokens: the code runs,
+the figures mean nothing::
+
+    python -m benchmarks.probes.calibration --smoke --out /tmp/calibration.json
 """
 from __future__ import annotations
 
 import sys
 import time
 
-from veloxquant_mlx.blas import ensure_openblas
+from veloxquant_mlx.apps.blas import ensure_openblas
 
 from benchmarks import _common
 
@@ -29,12 +35,13 @@ ensure_openblas()
 import mlx.core as mx  # noqa: E402
 
 import veloxquant_mlx as vq  # noqa: E402
-from veloxquant_mlx.calibration.file import Calibration  # noqa: E402
-from veloxquant_mlx.calibration.weights import channel_weights  # noqa: E402
-from veloxquant_mlx.eval import corpus_tokens, passkey_eval, perplexity_eval  # noqa: E402
-from veloxquant_mlx.eval.specs import compressed_spec, with_calibration  # noqa: E402
-from veloxquant_mlx.models.loader import load_model  # noqa: E402
-from veloxquant_mlx.options import BUDGETS, PRESETS  # noqa: E402
+from veloxquant_mlx.integration.calibration import Calibration  # noqa: E402
+from veloxquant_mlx.integration.measure_calibration import default_calibration_tokens  # noqa: E402
+from veloxquant_mlx.quant.channel_weights import channel_weights  # noqa: E402
+from veloxquant_mlx.apps.eval import corpus_tokens, passkey_eval, perplexity_eval  # noqa: E402
+from veloxquant_mlx.apps.eval.specs import compressed_spec, with_calibration  # noqa: E402
+from veloxquant_mlx.apps.models.loader import load_model  # noqa: E402
+from veloxquant_mlx.cache.presets import BUDGETS, PRESETS  # noqa: E402
 
 CORPORA = ("debian-reference", "kjv")
 DEFAULT_CONFIGS = ("tq-4b,tq-4b+cal,tq-4b+calK,tq-4b+calV,tq-3b,tq-3b+cal,tq-3b+calK,tq-2b,tq-2b+cal,tq-2b+calK,"
@@ -82,15 +89,32 @@ def main() -> None:
     ap.add_argument("--calibration", help="a calibration file of SmolLM2 (default: calibrate now)")
     ap.add_argument("--save-calibration", help="write the calibration made now to this file")
     ap.add_argument("--needle", action="store_true", help="also passkey retrieval (1k/2k/4k x 3 depths)")
+    ap.add_argument("--smoke", action="store_true", help="a tiny random model, a few hundred tokens (docstring)")
     _common.add_out(ap)
     args = ap.parse_args()
+    needle_lengths = [1024, 2048, 4096]
+    if args.smoke:
+        levers_ = ("cal", "calK", "calV", "calK.125", "cal.5", "cal.125")  # every lever of `levers`
+        args.configs = ",".join(["tq-4b"] + [f"tq-4b+{lever}" for lever in levers_] + ["tq-affine-k8v4+cal"])
+        args.contexts, args.windows, args.calibration, args.needle = "160", "1", None, True
+        needle_lengths = [256]
     contexts = [int(c) for c in args.contexts.split(",")]
     windows = [int(w) for w in args.windows.split(",")]
     if len(windows) != len(contexts):
         raise SystemExit("--windows needs one number per context")
-    model, tok = load_model("smollm2")
+    if args.smoke:
+        from benchmarks.probes._smoke import tiny_model
+
+        model, tok = tiny_model()
+    else:
+        model, tok = load_model("smollm2")
     t0 = time.perf_counter()
-    if args.calibration:
+    if args.smoke:
+        cal = vq.calibrate(model, default_calibration_tokens(model, tok, tokens_per_prompt=16),
+                           description="--smoke: the tiny model's 16-token answers to DEFAULT_PROMPTS")
+        if args.save_calibration:
+            cal.save(args.save_calibration)
+    elif args.calibration:
         cal = Calibration.load(args.calibration, model)
     else:
         cal = vq.calibrate(model, tokenizer=tok)
@@ -111,7 +135,7 @@ def main() -> None:
                       flush=True)
     if args.needle:
         filler = corpus_tokens(tok, "debian-reference")
-        out["needle"] = passkey_eval(model, tok, filler, specs, lengths=[1024, 2048, 4096], progress=False)
+        out["needle"] = passkey_eval(model, tok, filler, specs, lengths=needle_lengths, progress=False)
         for name, r in out["needle"].items():
             print(f"passkey {name:20s} {r['passed']}/{r['total']}", flush=True)
     budgets = {n: BUDGETS.get(n.partition("+")[0]) for n in args.configs.split(",")}

@@ -6,6 +6,9 @@ Measures, on random unit vectors, D_mse = E||x - x_hat||^2 (MSE, RVQ) and D_prod
 (1, 8, 4096, 128) tensor in one call.
 
     python -m benchmarks.probes.distortion [--n 20000] [--dims 64 128] [--out results/distortion.json]
+    python -m benchmarks.probes.distortion --smoke --out /tmp/distortion.json   # the code runs (seconds)
+
+``--smoke``: 256 vectors of d=64, 1..3 bits, throughput on a (1, 2, 256, 128) tensor once: figures meaningless.
 """
 from __future__ import annotations
 
@@ -15,8 +18,8 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from veloxquant_mlx.codebooks import PAPER_D_MSE, lloyd_max_codebook, lower_bound_d_mse
-from veloxquant_mlx.quantizers import TurboQuantMSE, TurboQuantProd, TurboQuantRVQ
+from veloxquant_mlx.quant.codebooks import PAPER_D_MSE, lloyd_max_codebook, lower_bound_d_mse
+from veloxquant_mlx.quant.quantizers import TurboQuantMSE, TurboQuantProd, TurboQuantRVQ
 
 from benchmarks import _common
 
@@ -63,8 +66,14 @@ def main(argv=None):
     ap.add_argument("--queries", type=int, default=16, help="unit queries for D_prod")
     ap.add_argument("--repeats", type=int, default=3, help="throughput repeats (best is reported)")
     ap.add_argument("--no-throughput", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="a few hundred vectors, d=64, 1..3 bits, a small "
+                    "throughput tensor: the code runs, figures meaningless")
     _common.add_out(ap, "results/distortion.json")
     args = ap.parse_args(argv)
+    shape = (1, 8, 4096, 128)  # the throughput tensor
+    if args.smoke:
+        args.n, args.dims, args.max_bits, args.queries, args.repeats = 256, [64], 3, 4, 1
+        shape = (1, 2, 256, 128)
     blas = _common.blas()  # (which BLAS, for interpreting throughput)
     print(_common.environment())
     rows = []
@@ -94,7 +103,6 @@ def main(argv=None):
               f"{r['mse_bytes']}/{r.get('prod_bytes', '-')}/{r['rvq_bytes']}")
     tput = []
     if not args.no_throughput:
-        shape = (1, 8, 4096, 128)
         print(f"\nthroughput on {shape} float32, one call, best of {args.repeats} (vectors/s):")
         for name, quant in (("turboquant_mse", lambda b: TurboQuantMSE(128, b)),
                             ("turboquant_prod", lambda b: TurboQuantProd(128, b)),

@@ -11,6 +11,12 @@ Diagnosis for issue 28 (BENCHMARKS.md, "Where issue 28's gap lies"), not a produ
    itself, both with the calibration's channel weights, on both corpora.
 
     python -m benchmarks.probes.layer_sensitivity --texts calibration,kjv --screen --out results/layer_sensitivity.json
+
+``--smoke``: both steps on a tiny random llama (`benchmarks/probes/_smoke.py`), 192 tokens per text (past the
+budget layouts' first 128-token block), the model's answers 16 tokens long, calibrated on them (no calibration file
+read or written), the screen at one 160-token window: the code runs, the figures mean nothing::
+
+    python -m benchmarks.probes.layer_sensitivity --smoke --out /tmp/layer_sensitivity.json
 """
 from __future__ import annotations
 
@@ -19,7 +25,7 @@ import os
 import sys
 import time
 
-from veloxquant_mlx.blas import ensure_openblas
+from veloxquant_mlx.apps.blas import ensure_openblas
 
 from benchmarks import _common
 
@@ -28,12 +34,12 @@ ensure_openblas()
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
 import veloxquant_mlx as vq  # noqa: E402
-from veloxquant_mlx.measure_calibration import default_calibration_tokens  # noqa: E402
-from veloxquant_mlx.eval import corpus_tokens, perplexity_eval  # noqa: E402
-from veloxquant_mlx.eval.specs import CacheSpec, compressed_spec, with_calibration  # noqa: E402
-from veloxquant_mlx.integration import make_prompt_cache  # noqa: E402
-from veloxquant_mlx.models.loader import load_model  # noqa: E402
-from veloxquant_mlx.options import PRESETS  # noqa: E402
+from veloxquant_mlx.integration.measure_calibration import default_calibration_tokens  # noqa: E402
+from veloxquant_mlx.apps.eval import corpus_tokens, perplexity_eval  # noqa: E402
+from veloxquant_mlx.apps.eval.specs import CacheSpec, compressed_spec, with_calibration  # noqa: E402
+from veloxquant_mlx.integration.builder import make_prompt_cache  # noqa: E402
+from veloxquant_mlx.apps.models.loader import load_model  # noqa: E402
+from veloxquant_mlx.cache.presets import PRESETS  # noqa: E402
 
 WIDTHS = (2, 3, 4, 5, 6)  # bits a layer may get in the exchange
 
@@ -93,21 +99,32 @@ def main() -> None:
     ap.add_argument("--screen-presets", default="tq-4b,tq-3b")
     ap.add_argument("--context", type=int, default=513)
     ap.add_argument("--windows", type=int, default=2)
+    ap.add_argument("--smoke", action="store_true", help="a tiny random model, a few dozen tokens (docstring)")
     _common.add_out(ap)
     args = ap.parse_args()
     if args.preset not in PRESETS:
         raise SystemExit(f"--preset must be one of {', '.join(PRESETS)}, got {args.preset!r}")
-    model, tok = load_model("smollm2")
-    if os.path.exists(args.calibration):
-        cal = vq.Calibration.load(args.calibration, model)
+    answers = {}  # default_calibration_tokens' keywords: the model's answers' length
+    if args.smoke:
+        from benchmarks.probes._smoke import tiny_model
+
+        model, tok = tiny_model()
+        args.texts, args.tokens, args.screen, args.context, args.windows = "calibration,kjv", 192, True, 160, 1
+        answers = {"tokens_per_prompt": 16}
+        cal = vq.calibrate(model, default_calibration_tokens(model, tok, **answers),
+                           description="--smoke: the tiny model's 16-token answers to DEFAULT_PROMPTS")
     else:
-        cal = vq.calibrate(model, tokenizer=tok)
-        cal.save(args.calibration)
+        model, tok = load_model("smollm2")
+        if os.path.exists(args.calibration):
+            cal = vq.Calibration.load(args.calibration, model)
+        else:
+            cal = vq.calibrate(model, tokenizer=tok)
+            cal.save(args.calibration)
     out = {"preset": args.preset, "bits": args.bits, "calibration": cal.metadata(), "sensitivity": {}}
     for text in args.texts.split(","):
         t0 = time.time()
         if text == "calibration":
-            tokens = [t for seq in default_calibration_tokens(model, tok) for t in seq][: args.tokens]
+            tokens = [t for seq in default_calibration_tokens(model, tok, **answers) for t in seq][: args.tokens]
         else:
             tokens = corpus_tokens(tok, text)[: args.tokens]
         s = sensitivity(model, tokens, PRESETS[args.preset], cal, args.bits)

@@ -1,6 +1,7 @@
 """What scoring keys stored before RoPE would cost a decode step, in pure MLX (issue 47's follow-up question).
 
     python -m benchmarks.probes.prerope_scoring [--tokens 2048,4096] [--repeats 50]
+    python -m benchmarks.probes.prerope_scoring --smoke   # 256 tokens, 3 repeats: the code runs (seconds)
 
 One layer of SmolLM2's shape (3 KV heads, 3 query rows each, head_dim 64), ``tq-4b``'s key codes (4-bit, per rotated
 channel over 128-token blocks), one query per row. Per step, the median time of:
@@ -18,7 +19,7 @@ import argparse
 import json
 import time
 
-from veloxquant_mlx.blas import ensure_openblas
+from veloxquant_mlx.apps.blas import ensure_openblas
 
 ensure_openblas()
 
@@ -63,7 +64,10 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", default="2048,4096")
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    ap.add_argument("--smoke", action="store_true", help="256 tokens, 3 repeats: the code runs, figures meaningless")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.tokens, args.repeats = "256", 3
     rows = [measure(int(n), args.repeats) for n in args.tokens.split(",")]
     print("| tokens | plain q K^T (ms) | scores from codes (ms) | pre-RoPE: decode + RoPE + q K^T (ms) |")
     print("|---|---|---|---|")

@@ -31,6 +31,12 @@ median of the later ones. ``--cprofile K`` adds cProfile of step 1 against step 
 call), the functions whose time differs most.
 
     python -m benchmarks.probes.step_profile --prompt 4096 --configs kv,tq-affine-k8v4 --fresh 3 --steps 24 --cprofile 20
+
+``--smoke`` runs the three modes above on a tiny random llama (`benchmarks/probes/_smoke.py`) at a 160-token
+prompt, a few steps each: the code runs, the figures mean nothing. The JSON files go beside ``--out``
+(``STEM_profile.json``, ``STEM_batch.json``, ``STEM_fresh.json``)::
+
+    python -m benchmarks.probes.step_profile --smoke --out /tmp/step_profile.json
 """
 from __future__ import annotations
 
@@ -86,16 +92,33 @@ def store_and_attend(cache, keys, values, queries, scale):
     return t1 - t0, t2 - t1
 
 
-def main(argv=None):
-    from veloxquant_mlx.blas import ensure_openblas
+def run_smoke(args) -> None:
+    """``--smoke``: the profile (with a baseline row), the batch caches and ``--fresh`` with ``--cprofile``, each on a
+    tiny random llama at a 160-token prompt; each mode's JSON beside ``--out``."""
+    from benchmarks.probes._smoke import tiny_model
+
+    loaded = tiny_model()
+    stem = os.path.splitext(args.out)[0]
+    small = ["--prompt", "160", "--chunk", "64", "--steps", "2", "--rounds", "1"]
+    modes = {"profile": ["--configs", "kv,mlx-q4,tq-affine-k8v4,tq-4b", "--baseline-tokens", "16"],
+             "batch": ["--configs", "kv,tq-affine-k8v4", "--batch-cache"],
+             "fresh": ["--configs", "kv,tq-affine-k8v4", "--fresh", "1", "--steps", "10", "--cprofile", "10"]}
+    for name, extra in modes.items():
+        print(f"\n== smoke: {name}", flush=True)
+        main(small + extra + ["--out", f"{stem}_{name}.json"], loaded=loaded)
+
+
+def main(argv=None, loaded=None):
+    """``loaded``: ``(model, tokenizer)`` to profile instead of loading ``--model`` (``--smoke``'s tiny model)."""
+    from veloxquant_mlx.apps.blas import ensure_openblas
 
     ensure_openblas()
 
     import mlx.core as mx
 
     from veloxquant_mlx.attention import kernel as attention_kernel
-    from veloxquant_mlx.eval import corpus_tokens
-    from veloxquant_mlx.models.loader import load_model
+    from veloxquant_mlx.apps.eval import corpus_tokens
+    from veloxquant_mlx.apps.models.loader import load_model
 
     ap = _common.parser(__doc__)
     _common.add_model(ap)
@@ -117,8 +140,11 @@ def main(argv=None):
                     help="with --fresh: in the last run of each config, cProfile decode step 1 and step K (the "
                          "Python that builds the step's graph and its evaluation call) and print the functions "
                          "whose time differs most")
+    ap.add_argument("--smoke", action="store_true", help="every mode on a tiny random model, a few steps (docstring)")
     _common.add_out(ap, "results/step_profile.json")
     args = ap.parse_args(argv)
+    if args.smoke:
+        return run_smoke(args)
     configs = [c for c in args.configs.split(",") if c]
     bad = [c for c in configs if c not in ("kv", "mlx-q4") and registered(c) is None]
     if bad:
@@ -133,7 +159,7 @@ def main(argv=None):
     print(f"{_common.environment()}; attention on codes: {attention_kernel.status()[1]}")
     print("DIAGNOSIS: parts timed apart (see the docstring); speed figures come from e2e_speed.py", flush=True)
 
-    model, tok = load_model(args.model)
+    model, tok = loaded or load_model(args.model)
     ids = corpus_tokens(tok)
     while len(ids) < args.prompt:
         ids = ids + ids

@@ -7,7 +7,6 @@ the codes (``TurboQuantPackedCache.attend_packed``) and forbid the decoding fetc
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import socket
 import subprocess
@@ -16,19 +15,18 @@ import threading
 import time
 
 import pytest
-from hypothesis import given, settings, strategies as st
 from mlx_lm import stream_generate
 from mlx_lm.models import base as mlx_base
 from mlx_lm.models.cache import trim_prompt_cache
 
-from veloxquant_mlx import cli
-from veloxquant_mlx import server as vs
+from veloxquant_mlx.apps import cli
+from veloxquant_mlx.apps import server as vs
 from veloxquant_mlx.attention import hook
 import veloxquant_mlx as vq
 from veloxquant_mlx.cache.packed_cache import TurboQuantBatchPackedCache
 from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache
-from veloxquant_mlx.eval.specs import preset_names, resolve_spec
-from veloxquant_mlx.options import DEFAULT_NAME
+from veloxquant_mlx.apps.eval.specs import preset_names, resolve_spec
+from veloxquant_mlx.cache.presets import DEFAULT_NAME
 
 openai = pytest.importorskip("openai", reason="the `test` extra's openai client talks to the server as users do")
 
@@ -106,7 +104,7 @@ def _library_generate(model, tokenizer, prompt, cache):
 def test_arguments_take_registered_presets_and_mlx_lm_defaults():
     args = _parse()
     assert (args.model, args.preset, args.host, args.port, args.max_tokens) == (
-        "smollm2", DEFAULT_NAME, "127.0.0.1", 8080, 512)  # the one default (tests/mlx_lm/test_one_default.py)
+        "smollm2", DEFAULT_NAME, "127.0.0.1", 8080, 512)  # the one default (tests/integration/test_enabling_one_default.py)
     assert (args.temp, args.top_p, args.top_k, args.prompt_cache_size, args.allowed_origins) == (0.0, 1.0, 0, 10, ["*"])
     for name in preset_names():  # every registered name is offered; families need --bits
         assert _parse("--preset", name).preset == name
@@ -159,67 +157,10 @@ def test_batching_probe_tries_merge(tiny_model):
     assert not ok and reason.startswith("TurboQuantRVQKVCache.merge"), reason  # the seed page's RVQ cache
 
 
-LIMITS = vs.Limits(vocab_size=128, max_context=1024, model_names=("smollm2",))
-VALID_CHAT = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}]}
-
-
-@settings(max_examples=40, deadline=None)
-@given(st.text(alphabet="abcdefghijklmnopqrstuvwxyz_", min_size=1, max_size=20).filter(
-    lambda n: n not in vs.CHAT_FIELDS))
-def test_unknown_fields_are_refused_by_name(name):
-    with pytest.raises(vs.RequestError, match=f"unknown field '{name}'") as err:
-        vs.check_request(dict(VALID_CHAT, **{name: 1}), "chat", LIMITS)
-    assert err.value.status == 400 and err.value.param == name
-
-
-@pytest.mark.parametrize("name", sorted(vs.CHAT_FIELDS - {"messages"}))
-def test_known_fields_are_never_unknown(name):
-    """The value 1 fits some known fields and not others; either way the refusal names the field's rule."""
-    try:
-        vs.check_request(dict(VALID_CHAT, **{name: 1}), "chat", LIMITS)
-        refused = None
-    except vs.RequestError as e:
-        refused = e
-    assert refused is None or (refused.param == name and "unknown" not in refused.message), refused
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.sampled_from(sorted(vs.numeric_rules(LIMITS))),
-       st.one_of(st.integers(-10**30, 10**30), st.booleans(), st.floats(), st.text(max_size=4)))
-def test_numeric_fields_are_refused_exactly_outside_their_range(name, value):
-    kind, low, high = vs.numeric_rules(LIMITS)[name]
-    inside = not isinstance(value, (bool, str)) and (kind is float or isinstance(value, int)) and (
-        value == value and abs(value) != float("inf") and value >= low and (high is None or value <= high))
-    if inside:
-        checked = vs.check_request(dict(VALID_CHAT, **{name: value}), "chat", LIMITS)[name]
-        assert checked == (float(value) if kind is float else value) and type(checked) is kind
-    else:
-        with pytest.raises(vs.RequestError, match=name) as err:
-            vs.check_request(dict(VALID_CHAT, **{name: value}), "chat", LIMITS)
-        assert err.value.status == 400 and err.value.param == name
-
-
-def test_long_prompts_are_counted_as_mlx_lm_will_tokenize_them(smollm2):
-    model, tokenizer = smollm2
-    limits = vs.Limits(int(model.args.vocab_size), 8192, ("smollm2",), tokenizer=tokenizer)
-    fits = {"messages": _user("word " * 2000)}
-    raw = json.dumps(fits).encode()
-    assert len(raw) * 2 >= limits.max_context  # long enough to be tokenized by the check
-    vs.check_prompt_length(raw, fits, limits)  # about 2000 tokens: accepted
-    too_long = {"messages": _user("word " * 9000)}
-    n = len(tokenizer.apply_chat_template(too_long["messages"], add_generation_prompt=True))
-    with pytest.raises(vs.RequestError, match=f"messages: the prompt is {n} tokens; this model's context is 8192") as err:
-        vs.check_prompt_length(json.dumps(too_long).encode(), too_long, limits)
-    assert (err.value.status, err.value.param) == (400, "messages")
-    text = {"prompt": "word " * 9000}
-    with pytest.raises(vs.RequestError, match=f"prompt: the prompt is {len(tokenizer.encode(text['prompt']))} tokens"):
-        vs.check_prompt_length(json.dumps(text).encode(), text, limits)
-
-
 # ------------------------------------------------------------------------------------------ running servers
 def test_server_lifetime_installs_then_removes_the_attention_hook(serve, tiny_model, caplog):
     original = mlx_base.scaled_dot_product_attention
-    with caplog.at_level("INFO", logger="veloxquant_mlx.server"):
+    with caplog.at_level("INFO", logger="veloxquant_mlx.apps.server"):
         handle = serve(tiny_model, None)
     log = caplog.text
     assert f"KV cache: {METHOD} (" in log
@@ -237,7 +178,7 @@ def test_server_takes_a_calibration_of_its_model_only(serve, tiny_model, random_
     cal = vq.calibrate(tiny_model, random_tokens[:200])
     path = str(tmp_path / "cal.safetensors")
     cal.save(path)
-    with caplog.at_level("INFO", logger="veloxquant_mlx.server"):
+    with caplog.at_level("INFO", logger="veloxquant_mlx.apps.server"):
         handle = serve(tiny_model, None, "--calibration", path)
     assert f"calibration {cal.id}" in caplog.text and handle.batching[0] is True
     handle.close()

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from veloxquant_mlx import server as vs
+from veloxquant_mlx.apps import server as vs
 
 CHAT, TEXT = "/v1/chat/completions", "/v1/completions"
 OK = [{"role": "user", "content": "hi"}]

@@ -12,9 +12,9 @@ from mlx_lm.models import llama
 
 from veloxquant_mlx import use_packed_attention
 from veloxquant_mlx.cache.packed_cache import TurboQuantBatchPackedCache
-from veloxquant_mlx.options import CacheOptions
+from veloxquant_mlx.cache.options import CacheOptions
 from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache
-from veloxquant_mlx.eval.specs import CONFIGURATIONS
+from veloxquant_mlx.apps.eval.specs import CONFIGURATIONS
 
 # head_dim 32 in the tiny model: block codecs code blocks of 32 tokens
 CONFIGS = {
@@ -154,8 +154,8 @@ def _arrays_reachable(obj, seen=None) -> int:
         # shared, stateless rotations (the same for every row); the (B,) offset array is bookkeeping, as in
         # mlx_lm's BatchKVCache, whose nbytes counts keys and values only; "_views" (with the attention parts
         # made of them) / "_sink_views" are views of counted arrays kept for the next decode step (reset whenever
-        # those arrays change: a stale one would attend old codes, which tests/cache/test_kernel.py and the equality
-        # tests here would see; holding superseded arrays, tests/cache/test_cache_memory.py)
+        # those arrays change: a stale one would attend old codes, which tests/attention/test_kernel.py and the
+        # equality tests here would see; holding superseded arrays, tests/cache/test_packed_cache_memory.py)
         skip = ("rotation", "quantizers", "_base", "offset", "_views", "_sink_views")
         return sum(_arrays_reachable(v, seen) for k, v in vars(obj).items() if k not in skip)
     return 0

@@ -5,8 +5,8 @@ import mlx.core as mx
 import numpy as np
 
 from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache
-from veloxquant_mlx.config import KVCacheConfig
-from veloxquant_mlx.options import CacheOptions
+from veloxquant_mlx.compat.config import KVCacheConfig
+from veloxquant_mlx.cache.options import CacheOptions
 
 CODE_BATCH = CacheOptions().code_batch  # the default
 
@@ -59,7 +59,7 @@ def block_cache(**kw):
 
 # ----------------------------------------------------------------------------- issue 47: a coded tail
 def _budget(bits=4, codec="kblock_vsym8_pt"):
-    from veloxquant_mlx.options import preset
+    from veloxquant_mlx.cache.presets import preset
     import dataclasses
 
     return dataclasses.replace(preset(f"tq-{bits}b"), codec=codec)

@@ -69,57 +69,6 @@ def test_filter_extend_and_extract_keep_every_row_exact():
     _states_equal(batch.extract(3), other.extract(1))
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_take_rows_is_the_same_with_the_compiled_gather_or_mx_take(name):
-    """`take_rows` (extract / filter) gathers every array in one compiled operation where it runs; with the kernel
-    off it takes each with ``mx.take``: the same arrays, rows, dtypes and shapes."""
-    from veloxquant_mlx.attention import kernel
-    from veloxquant_mlx.cache.rows import take_rows
-
-    _, batch, _ = _run_cache_level(CONFIGS[name], (5, 70, 33, 2), decode_steps=3)
-    for idx in ([2], [3, 0], [1, 2, 3]):
-        on = take_rows(batch.rows, idx)
-        previous = kernel.set_enabled(False)
-        try:
-            off = take_rows(batch.rows, idx)
-        finally:
-            kernel.set_enabled(previous)
-        a, b = on.arrays(), off.arrays()
-        assert len(a) == len(b) > 0
-        assert all(x.shape == y.shape and x.dtype == y.dtype and mx.array_equal(x, y, equal_nan=True).item()
-                   for x, y in zip(a, b)), idx
-
-
-def test_gather_rows_against_mx_take():
-    """The compiled gather of rows (strided views, folded items, any dtype, empty axes, a broadcast array) equals
-    ``mx.take``; a row out of range or a fold that does not divide the rows is a ValueError naming the array."""
-    from veloxquant_mlx.attention import kernel
-
-    mod = kernel.compiled_module()
-    assert mod is not None and hasattr(mod, "gather_rows"), kernel.status()[1]
-    a = mx.random.normal((5, 3, 40, 8), key=mx.random.key(1))
-    words = (mx.random.uniform(shape=(5, 3, 8, 20), key=mx.random.key(2)) * 4e9).astype(mx.uint32)
-    folded = mx.random.normal((15, 8), key=mx.random.key(3)).astype(mx.float16)
-    arrays = [a, a[:, :, 10:30], mx.swapaxes(a, 2, 3), words[..., :12], folded, mx.arange(5), a[:, :, :0],
-              mx.broadcast_to(folded[:1], (15, 8)), (a > 0)]
-    folds = [1, 1, 1, 1, 3, 1, 1, 3, 1]
-    for rows in ([3], [0, 4, 2], [1, 1], []):
-        got = kernel.gather_rows(arrays, rows, folds)
-        previous = kernel.set_enabled(False)
-        try:
-            want = kernel.gather_rows(arrays, rows, folds)
-        finally:
-            kernel.set_enabled(previous)
-        for arr, f, g, w in zip(arrays, folds, got, want):
-            ref = mx.take(arr, mx.array([r * f + j for r in rows for j in range(f)], dtype=mx.int32), axis=0)
-            for out in (g, w):
-                assert out.shape == ref.shape and out.dtype == ref.dtype and mx.array_equal(out, ref).item(), (rows, f)
-    with pytest.raises(ValueError, match="out of range for array 0"):
-        mod.gather_rows([a], [5], [1])
-    with pytest.raises(ValueError, match="array 0 does not hold whole items"):
-        mod.gather_rows([a], [0], [2])
-
-
 @pytest.mark.parametrize("name, window", list(_join_cases()))
 def test_extend_concatenates_rows_as_a_re_merge_would(name, window):
     """`extend` joins two decoding batches by concatenating their arrays (stores padded to the larger one's slots,

@@ -186,7 +186,7 @@ def test_left_padded_prompt_equals_each_sequence_alone():
 # `veloxquant generate` with several prompts (batched through mlx_lm's BatchGenerator)
 # ---------------------------------------------------------------------------------------------------------
 def test_generate_command_needs_a_prompt_and_a_readable_prompts_file(capsys, tmp_path):
-    from veloxquant_mlx.cli import main
+    from veloxquant_mlx.apps.cli import main
 
     assert main(["generate"]) != 0 and "--prompt" in capsys.readouterr().err
     assert main(["generate", "--prompts-file", str(tmp_path / "none.txt")]) != 0
@@ -198,7 +198,7 @@ def test_generate_command_needs_a_prompt_and_a_readable_prompts_file(capsys, tmp
 
 @pytest.mark.model
 def test_generate_command_batches_several_prompts(smollm2, capsys, tmp_path, batched_attention):
-    from veloxquant_mlx.cli import main
+    from veloxquant_mlx.apps.cli import main
 
     (tmp_path / "prompts.txt").write_text("What is the capital of Japan?\n\nWhat is the capital of France?\n")
     rc = main(["generate", "--prompt", "What is the capital of France?", "--prompts-file", str(tmp_path / "prompts.txt"),
@@ -247,7 +247,7 @@ def test_a_decoding_batch_keeps_its_exact_tail_bounded():
     """Rows code their blocks on different steps; the tail slots that are padding in every row are dropped a code
     step at a time (not at every coded block: one copy of the whole tail each), so the tail never holds more
     than each row's waiting tokens plus less than one step of padding, and attention is unchanged by it."""
-    from veloxquant_mlx.cache.rows import TAIL_STEP
+    from veloxquant_mlx.cache.row_policy import TAIL_STEP
 
     options = CONFIGS["affine_block-k8v4"]
     alone, batch, diffs = _run_cache_level(options, (5, 61, 30), decode_steps=0)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache, TurboQuantRotatingPackedCache
-from veloxquant_mlx.config import KVCacheConfig
+from veloxquant_mlx.compat.config import KVCacheConfig
 from _packed_cache_helpers import CODE_BATCH, D, cfg, kv, rel_err, assert_same_stored_tokens
 
 
@@ -32,7 +32,7 @@ def test_fetch_shapes_dtype_and_growth(dtype):
 def test_error_is_the_codebooks_at_each_bit_width(b):
     # Rotated unit-vector coordinates coded with the Lloyd-Max codebook: relative error sqrt(D_mse(b)), the
     # codebook's own prediction (measured within 3 % of it here); ±10 % keeps b-1 and b+1 bits out (≥ 1.9x apart).
-    from veloxquant_mlx.quantizers import TurboQuantMSE
+    from veloxquant_mlx.quant.quantizers import TurboQuantMSE
 
     k, v = kv(B=2, T=64, seed=1)
     predicted = TurboQuantMSE(D, b).expected_d_mse ** 0.5

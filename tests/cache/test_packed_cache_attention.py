@@ -23,10 +23,11 @@ from mlx_lm.models import gemma3_text, llama
 
 from veloxquant_mlx import use_packed_attention
 from veloxquant_mlx.codecs import AffineRotatedCodec, LloydMaxCodec
-from veloxquant_mlx.integration import attention_is_routable, make_prompt_cache
+from veloxquant_mlx.integration.scan import attention_is_routable
+from veloxquant_mlx.integration.builder import make_prompt_cache
 from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache, TurboQuantRotatingPackedCache
 from veloxquant_mlx.cache.prompt_cache_io import load_prompt_cache, save_prompt_cache
-from veloxquant_mlx.config import KVCacheConfig
+from veloxquant_mlx.compat.config import KVCacheConfig
 
 PROMPT_LEN, CHUNK, STEPS = 48, 8, 12  # long enough for affine_block to code blocks of 32 tokens
 REL_TOL = 1e-4

@@ -155,7 +155,7 @@ def test_budget_layout_stores_its_waiting_tokens_as_codes():
 
 def test_coded_tail_costs_its_codes_not_floats():
     """At 2048 tokens (127 waiting) tq-Nb store at most their budget; the exact tail of the old layout did not."""
-    from veloxquant_mlx.options import BUDGETS
+    from veloxquant_mlx.cache.presets import BUDGETS
 
     k, v = kv(H=3, T=2048, d=64, seed=1)
     for bits in (4, 3, 2):

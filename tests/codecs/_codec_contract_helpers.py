@@ -1,11 +1,11 @@
-"""Helpers, fixtures and constants shared by `test_codec_contract.py` and `test_codec_contract_checks.py`."""
+"""Helpers, fixtures and constants shared by `test_contract.py`, `test_contract_checks.py` and `test_lloyd_max.py`."""
 from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from veloxquant_mlx.options import CacheOptions
+from veloxquant_mlx.cache.options import CacheOptions
 from veloxquant_mlx.codecs import CODECS, CodecLayout
 from veloxquant_mlx.codecs.contract import CodeField
 
@@ -224,7 +224,7 @@ from typing import Dict, Optional
 
 import mlx.core as mx
 
-from veloxquant_mlx.codecs._common import PerTokenLayout, clamp_to, f32, finite_channel_mean
+from veloxquant_mlx.codecs.common import PerTokenLayout, clamp_to, f32, finite_channel_mean
 from veloxquant_mlx.validate import check_heads, check_int
 
 

@@ -1,11 +1,11 @@
 """The compiled affine encoding (`csrc/affine_encode.cpp`) against its MLX reference, bit for bit.
 
-`veloxquant_mlx.codecs._affine_encode.reference_affine_encode` is the reference (``mx.quantize``, the block keys'
+`veloxquant_mlx.codecs.affine_encode.reference_affine_encode` is the reference (``mx.quantize``, the block keys'
 NaN bias for a non-finite group and rotated-mean offset, the float16 clamp). The compiled operation must give
 the same three arrays exactly, for every width and group MLX packs, both layouts, both stored scale dtypes, head
 dims that are and are not a multiple of its eight SIMD lanes, magnitudes from tiny to beyond float16, and
 non-finite inputs; the codecs must store the same codes whichever path runs, and take the compiled one when
-the kernel is on (its first-use check against a wrong encoding: tests/cache/test_kernel.py). CI builds the kernel,
+the kernel is on (its first-use check against a wrong encoding: tests/attention/test_kernel.py). CI builds the kernel,
 so the compiled path is what these tests reach.
 """
 from __future__ import annotations
@@ -14,10 +14,18 @@ import mlx.core as mx
 import pytest
 
 from veloxquant_mlx.attention import kernel
-from veloxquant_mlx.codecs._affine_encode import affine_encode, reference_affine_encode
+from veloxquant_mlx.codecs import affine_encode as encoding
+from veloxquant_mlx.codecs.affine_encode import affine_encode, reference_affine_encode
 from veloxquant_mlx.codecs.affine import AffineRotatedCodec
 from veloxquant_mlx.codecs.affine_block import AffineBlockKeyCodec
 from veloxquant_mlx.codecs.affine_block_kv import AffineBlockKVCodec, AffineBlockKVMSECodec
+
+
+@pytest.fixture(autouse=True)
+def compiled_provider(monkeypatch):
+    """The compiled encoder handed to the codecs as the cache layer hands it (cache/row_codes.py), whatever this
+    process imported before."""
+    monkeypatch.setattr(encoding, "_compiled_provider", kernel.compiled_encoder)
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +138,7 @@ def test_codecs_take_the_compiled_path_where_it_applies(monkeypatch):
             return real.affine_encode(*args)
 
     monkeypatch.setattr(kernel, "compiled_module", lambda: Spy() if kernel.enabled() else None)
+    assert encoding._compiled_provider is kernel.compiled_encoder
     x = mx.random.normal((1, 2, 64, 64), key=mx.random.key(0))
     for cls, kw, taken in [(AffineRotatedCodec, {}, (4, 64, False, True)), (AffineBlockKeyCodec, {}, (4, 64, True, True)),
                            (AffineBlockKVMSECodec, {}, None), (AffineRotatedCodec, {"scale_dtype": "bfloat16"}, None)]:

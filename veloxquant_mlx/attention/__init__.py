@@ -29,8 +29,8 @@ A cache implements the method in one line: ``packed_attention(queries, self.atte
 sinks=sinks)``, where ``attention_parts()`` lists its history as `ExactPart` / `CodedPart` (codes of any codec
 of :mod:`veloxquant_mlx.codecs`) in temporal order.
 """
-from .hook import implements_protocol, is_active, placeholder_history
-from .packed_sdpa import CodedPart, ExactPart, coded_attention, packed_attention
+from veloxquant_mlx.attention.hook import implements_protocol, is_active, placeholder_history
+from veloxquant_mlx.attention.packed_sdpa import CodedPart, ExactPart, coded_attention, packed_attention
 
 __all__ = [
     "CodedPart",

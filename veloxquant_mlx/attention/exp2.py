@@ -4,7 +4,7 @@ Why: on the Linux CPU build ``mx.exp`` runs near 20 ns per float32 element (scal
 softmax of a 4k-token history costs about as much as both attention matmuls together. Softmax only ever
 needs ``exp(s - max) <= 1``; with scores kept in log2 units (the query pre-multiplied by ``log2(e)``)
 that is ``2**t`` with ``t <= 0``, which splits into an exponent written straight into the float's bits
-and a degree-4 polynomial for the fraction. Measured here on decode-sized scores (benchmarks/probes/softmax_exp.py, 9 rows
+and a degree-4 polynomial for the fraction. Measured on decode-sized scores (docs/history/benchmarks-journal.md, 9 rows
 of 4k / 16k): plain ops 4.3x / 5.7x faster than ``mx.exp``, fused by ``mx.compile`` 10.3x / 11.6x (not measured on GPUs).
 
 Accuracy: the polynomial is a relative least-squares fit of ``2**f`` on ``[-1, 0]``; its relative error is
@@ -25,10 +25,10 @@ def _exp2_parts(t: mx.array, estrin: bool = True):
     """The elementwise body: ``(2**f polynomial, float bits of 2**i as int32)`` for ``t``.
 
     ``estrin``: evaluate the polynomial by Estrin's scheme (a shallower chain, so ``mx.compile`` fuses it
-    into fewer kernels: MLX caps a fused kernel's depth; fused, benchmarks/probes/softmax_exp.py at 4k went from
+    into fewer kernels: MLX caps a fused kernel's depth; fused, the journal's softmax probe at 4k went from
     8.0x to 10.3x faster than ``mx.exp``) rather than Horner's (fewer temporaries alive at once as plain
     ops: Estrin's raised the SmolLM2 4096-token prefill peak from 617.7 to 648.7 MiB,
-    ``benchmarks/probes/prefill_peak.py [--estrin-prefill-exp]``).
+    the prefill-peak probe's ``--estrin-prefill-exp`` in docs/history/benchmarks-journal.md).
     """
     t = mx.maximum(t, -127.0)
     i = t.astype(mx.int32)  # truncation toward zero: i >= t, so f = t - i is in (-1, 0]
@@ -81,7 +81,7 @@ def exp2_nonpositive(t: mx.array, fused: bool = True) -> mx.array:
     polynomial. Same shape and dtype (float32) as ``t``. ``fused=False`` uses plain ops with Horner's scheme
     even where the fused kernel is available (same accuracy, values may differ in the last bit); a prefill chunk
     attended in several query blocks uses it because, with many blocks in one graph, the fused kernel's buffers
-    raised the peak (SmolLM2, 4096 tokens: 643.0 vs 618.0 MiB, benchmarks/probes/prefill_peak.py).
+    raised the peak (SmolLM2, 4096 tokens: 643.0 vs 618.0 MiB, docs/history/benchmarks-journal.md).
     """
     if not fused:
         p, bits = _exp2_parts(t, estrin=False)

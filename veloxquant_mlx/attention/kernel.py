@@ -11,7 +11,7 @@ from the module file before the import and asked of the module after it), the de
 part is of a kind it reads; otherwise attention runs on the reference, with one warning when the reason is that
 the kernel is missing, broken or built for another MLX or CPU. ``VELOXQUANT_KERNEL=0`` (or `set_enabled(False)`)
 turns it off, for comparisons. The same module holds the affine codecs' encoding (`csrc/affine_encode.cpp`, used
-through `veloxquant_mlx.codecs._affine_encode`) and the batch caches' row gather (`csrc/gather_rows.cpp`,
+through `veloxquant_mlx.codecs.affine_encode`) and the batch caches' row gather (`csrc/gather_rows.cpp`,
 `gather_rows`), under the same switch and first-use check.
 
 The checks a built module must pass (the CPU features it was built for, the first-use computation) are in
@@ -33,12 +33,10 @@ import mlx.core as mx
 
 from veloxquant_mlx.attention._sources import source_hash
 from veloxquant_mlx.attention.exp2 import LOG2E
-# The checks on a built module (re-exported: `kernel.X` stays importable for each of them). `_missing_before_import`
+# The checks on a built module. `_missing_before_import`
 # below calls `_binary_flags` / `_cpu_flags` through this module's names, so patching them here takes effect.
 from veloxquant_mlx.attention.kernel_checks import (FLAG_FEATURES, _binary_flags, _cpu_flags, _cpu_refusal,
                                                     _smoke_check)
-from veloxquant_mlx.codecs import _affine_encode
-from veloxquant_mlx.codecs._affine_encode import reference_affine_encode  # noqa: F401 (importable here as before)
 from veloxquant_mlx.codecs.affine_sym_log import LOG_OFFSET, LOG_STEPS, decode_log_scales
 
 _lock = threading.Lock()
@@ -179,14 +177,12 @@ def compiled_module():
     return _module if _module is not None else _load()
 
 
-def _compiled_encoder():
+def compiled_encoder():
     """The codecs' compiled affine encoding (`csrc/affine_encode.cpp`) when compiled code may run now, else None
-    (a module built before it existed has none)."""
+    (a module built before it existed has none). The cache layer hands it to the codecs
+    (`veloxquant_mlx.codecs.affine_encode.set_compiled_provider`, in `veloxquant_mlx.cache.row_codes`)."""
     mod = compiled_module()
     return getattr(mod, "affine_encode", None) if mod is not None else None
-
-
-_affine_encode.set_compiled_provider(_compiled_encoder)
 
 
 def gather_rows(arrays: Sequence[mx.array], rows: Sequence[int], folds: Sequence[int]) -> List[mx.array]:

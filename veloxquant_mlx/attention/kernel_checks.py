@@ -3,8 +3,7 @@
 The flags the module file records (read without importing it: its static initializers are compiled with them too),
 this CPU's features, the message when they do not match, and one small problem through the module against the
 same math in plain MLX ops (its attention, encoding and row gather). No state here: the state these checks decide
-(the loaded module, why it is refused) and the loading itself live in :mod:`veloxquant_mlx.attention.kernel`,
-which re-exports these names.
+(the loaded module, why it is refused) and the loading itself live in :mod:`veloxquant_mlx.attention.kernel`.
 """
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ from typing import List, Optional, Sequence
 
 import mlx.core as mx
 
-from veloxquant_mlx.codecs._affine_encode import reference_affine_encode
+from veloxquant_mlx.codecs.affine_encode import reference_affine_encode
 
 
 def _smoke_check(mod) -> None:

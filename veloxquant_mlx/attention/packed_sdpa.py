@@ -26,7 +26,7 @@ array, broadcastable to ``(B, Hq, L, N)``; sliding windows arrive as such arrays
 
 This module holds the entry points, the tunables that route between their paths and the shared-max softmax;
 the parts and what is computed on each one (masks, scores, weighted values) are in
-:mod:`veloxquant_mlx.attention.parts`, re-exported here.
+:mod:`veloxquant_mlx.attention.parts`.
 """
 from __future__ import annotations
 
@@ -36,11 +36,10 @@ import mlx.core as mx
 
 from veloxquant_mlx.attention import kernel
 from veloxquant_mlx.attention.exp2 import LOG2E, exp2_nonpositive
-# The parts and the per-part math (re-exported: `packed_sdpa.X` stays importable for each of them).
-from veloxquant_mlx.attention.parts import (NEG, CodedPart, ExactPart, Part, _apply_mask, _grouped_mask,
-                                            _merge_exact, _part_heads, _segment_mask, _shared_offset,
+from veloxquant_mlx.attention.parts import (NEG, CodedPart, ExactPart, Part, _grouped_mask,
+                                            _merge_exact, _part_heads, _segment_mask,
                                             _short_softmax_values, _weighted_values, part_scores)
-from veloxquant_mlx.codecs._common import f32, packed_matmul_ok
+from veloxquant_mlx.codecs.common import f32, packed_matmul_ok
 from veloxquant_mlx.codecs.contract import check_codec
 from veloxquant_mlx.validate import check_heads, check_int
 
@@ -57,7 +56,7 @@ DECODE_SOFTMAX_TOKENS = 512
 # Long query chunks on the dequantize path are attended QUERY_BLOCK positions at a time, so the float32
 # scores (B, Hq, block, N) and the softmax's temporaries stay small: a 256-token prefill chunk at 4k context
 # would otherwise hold several 9 x 256 x 4096 float32 tensors (~38 MiB each) at once. Measured on SmolLM2 at
-# 4096 tokens (benchmarks/probes/prefill_peak.py): blocks of 32 peaked at 666.9 MiB, blocks of 16 at 618.0 MiB.
+# 4096 tokens (docs/history/benchmarks-journal.md): blocks of 32 peaked at 666.9 MiB, blocks of 16 at 618.0 MiB.
 QUERY_BLOCK = 16
 
 # Shorter histories take longer blocks, up to this many scores per query head (QUERY_BLOCK queries x 4096 keys,
@@ -228,7 +227,7 @@ def attend_one_query(queries: mx.array, parts: Sequence[Part], scale: float, sin
 
     Codes a codec describes as `AffineCodes` (affine, symmetric, and TurboQuant-MSE / -Prod / -RVQ codebook
     codes) on the CPU run the compiled kernel (`veloxquant_mlx.attention.kernel`) when it is built; this
-    function's MLX ops below are its reference (tests/cache/test_kernel.py) and its fallback.
+    function's MLX ops below are its reference (tests/attention/test_kernel.py) and its fallback.
     """
     out = kernel.decode_step(queries, parts, scale, sinks, masks)
     if out is not None:

@@ -12,7 +12,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
-from veloxquant_mlx.codecs._common import f32
+from veloxquant_mlx.codecs.common import f32
 
 # A finite "minus infinity" for masked scores: exp(NEG - m) underflows to 0 without 0 * inf NaNs.
 NEG = float(mx.finfo(mx.float32).min)
@@ -192,7 +192,7 @@ def _short_softmax_values(scores: List[mx.array], parts: Sequence[Part], sinks, 
             cuts.append(at)
         ws = mx.split(mx.softmax(mx.concatenate(cols, axis=-1), axis=-1, precise=True), cuts, axis=-1)
     # Not `_weighted_values(ws, 1 - sink weight, ...)`: that form gave other decode logits on 2-rank pipeline runs
-    # (tests/mlx_lm/test_distributed.py) though equal in one process; not understood yet, so the sum stays explicit.
+    # (tests/apps/test_distributed.py) though equal in one process; not understood yet, so the sum stays explicit.
     mu = _shared_offset(parts)
     if mu is not None:
         mu = mx.expand_dims(mu, (0, 2))  # (1, Hkv, 1, dv)

@@ -1,53 +1,19 @@
-"""KV caches: servable mlx_lm caches (packed K and V), the classes prompt-cache files name (`registry`) and the
-files; the seed pages' caches (in :mod:`veloxquant_mlx.compat`) re-exported.
+"""The cache store and the servable caches (packed K and V), one module per job:
 
-Imports are lazy so ``import veloxquant_mlx.cache`` does not pull in mlx_lm or the quantizers. The builder lives one
-layer up, in :mod:`veloxquant_mlx.integration` (``veloxquant_mlx.KVCacheBuilder`` / ``make_prompt_cache``);
-its old names here are deprecated aliases (`_DEPRECATED`: they warn, and go in ``veloxquant_mlx.DEPRECATED_UNTIL``).
+- `options`: `CacheOptions`, the one configuration of a packed cache; `presets`: its named presets and THE default;
+- the store, `Rows` (a single sequence is a batch of one), one module per job, each importing only the ones before
+  it: `row_codes` (one codec's code slots of B rows, `RowCodes`; the tail, `CodedTail`, and its coder, `TailCoder`;
+  both on `veloxquant_mlx.quant.slot_store.SlotStore`), `row_views` (the rows' attention parts: `RowViews`, a mixin
+  `Rows` inherits), `row_policy` (`Rows` itself: counts, when to code, fits, eviction, trim, bytes, copies),
+  `row_ops` (rows in, rows out: `take_rows`, `concat_rows`, `row_arrays`, `rows_from_arrays`);
+- the mlx_lm-facing caches, thin faces over `Rows`: `packed_cache` (single, window, batch, batch window; their
+  shared base in `_face`, the batch methods in `_batch`), `chunked`;
+- `saved_state` (every packed cache's saved state, checked on restore), `prompt_cache_io` (files), `registry` (the
+  classes prompt-cache files name).
+
+The builder is one layer up (`veloxquant_mlx.integration.builder`). Import each name from its module; the names
+this package exported lazily until issue 57 still resolve, with a DeprecationWarning (`veloxquant_mlx._aliases`).
 """
-from __future__ import annotations
+from veloxquant_mlx import _aliases
 
-import importlib
-import warnings
-
-from veloxquant_mlx._version import DEPRECATED_UNTIL
-
-_EXPORTS = {
-    "TurboQuantPackedCache": "veloxquant_mlx.cache.packed_cache",
-    "TurboQuantRotatingPackedCache": "veloxquant_mlx.cache.packed_cache",
-    "TurboQuantChunkedPackedCache": "veloxquant_mlx.cache.chunked",
-    "TurboQuantBatchPackedCache": "veloxquant_mlx.cache.packed_cache",
-    "TurboQuantBatchRotatingPackedCache": "veloxquant_mlx.cache.packed_cache",
-    "TurboQuantRVQKVCache": "veloxquant_mlx.compat.turboquant_rvq_cache",
-    "TurboQuantKVCache": "veloxquant_mlx.compat.turboquant_cache",
-    "CacheOptions": "veloxquant_mlx.options",
-    "save_prompt_cache": "veloxquant_mlx.cache.prompt_cache_io",
-    "load_prompt_cache": "veloxquant_mlx.cache.prompt_cache_io",
-    "mlx_lm_cache_classes": "veloxquant_mlx.cache.registry",
-    "SERVABLE_METHODS": "veloxquant_mlx.cache.base",
-    "STANDALONE_METHODS": "veloxquant_mlx.cache.base",
-}
-
-# The builder's old names here (a cache-layer package re-exporting the layer above it): deprecated aliases, resolved
-# only on access, removed with the package's other aliases (veloxquant_mlx.DEPRECATED_UNTIL).
-_DEPRECATED = {
-    "KVCacheBuilder": "veloxquant_mlx.integration",
-    "make_prompt_cache": "veloxquant_mlx.integration",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is not None:
-        value = getattr(importlib.import_module(module), name)
-        globals()[name] = value
-        return value
-    module = _DEPRECATED.get(name)
-    if module is not None:  # never cached: every access warns
-        warnings.warn(f"veloxquant_mlx.cache.{name} is deprecated and will be removed in {DEPRECATED_UNTIL}; "
-                      f"use veloxquant_mlx.{name}", DeprecationWarning,
-                      stacklevel=2)
-        return getattr(importlib.import_module(module), name)
-    raise AttributeError(f"module 'veloxquant_mlx.cache' has no attribute {name!r}")
+__getattr__ = _aliases.package_getattr(__name__)

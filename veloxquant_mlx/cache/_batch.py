@@ -18,8 +18,8 @@ from veloxquant_mlx.attention import hook as _hook
 from veloxquant_mlx.attention.packed_sdpa import attend_one_query, packed_attention
 from veloxquant_mlx.cache import saved_state
 from veloxquant_mlx.cache._face import _PackedFace, _check_pair, _trim_rows
-from veloxquant_mlx.cache.rows import Rows, concat_rows, take_rows
-from veloxquant_mlx.cache.saved_state import BATCH_FORMAT  # noqa: F401  (of a batch cache's ``state``)
+from veloxquant_mlx.cache.row_policy import Rows
+from veloxquant_mlx.cache.row_ops import concat_rows, take_rows
 from veloxquant_mlx.validate import FLOAT_DTYPES, check_int
 
 

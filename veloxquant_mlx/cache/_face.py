@@ -12,7 +12,8 @@ from mlx_lm.models.cache import _BaseCache
 
 from veloxquant_mlx.attention.packed_sdpa import ExactPart
 from veloxquant_mlx.cache._pipeline import PipelineDependency
-from veloxquant_mlx.cache.rows import Rows, concat_rows, take_rows
+from veloxquant_mlx.cache.row_policy import Rows
+from veloxquant_mlx.cache.row_ops import concat_rows, take_rows
 from veloxquant_mlx.codecs import codec_layout
 from veloxquant_mlx.validate import check_heads, check_int
 

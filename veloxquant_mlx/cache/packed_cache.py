@@ -1,4 +1,4 @@
-"""The mlx_lm-facing packed caches: thin faces over one storage engine (:mod:`veloxquant_mlx.cache.rows`).
+"""The mlx_lm-facing packed caches: thin faces over one storage engine (:mod:`veloxquant_mlx.cache.row_policy`).
 
 - `TurboQuantPackedCache`: a drop-in for ``mlx_lm.models.cache.KVCache`` (one sequence, or several in lockstep
   as mlx_lm's KVCache holds them); `TurboQuantRotatingPackedCache` for ``RotatingKVCache`` (sliding windows, same
@@ -31,31 +31,15 @@ from mlx_lm.models.cache import create_attention_mask
 
 from veloxquant_mlx.attention import hook as _hook
 from veloxquant_mlx.attention.packed_sdpa import attend_one_query, packed_attention
-from veloxquant_mlx.cache import _batch
 from veloxquant_mlx.cache import saved_state
 from veloxquant_mlx.cache._batch import _BatchFace
 from veloxquant_mlx.cache._face import _PackedFace, _check_pair, _check_window, _decode, _trim_rows
-from veloxquant_mlx.cache.rows import Rows
+from veloxquant_mlx.cache.row_policy import Rows
 from veloxquant_mlx.codecs import check_codable, codec_layout
-from veloxquant_mlx.options import resolve_options
+from veloxquant_mlx.cache.presets import resolve_options
 from veloxquant_mlx.validate import FLOAT_DTYPES, check_bool, check_int
 
-# Re-exported: names importable from here before the faces' shared base and batch methods moved out (the state
-# of the batch faces, `_last_masks` / `_window_masks`, is read from `_batch` by `__getattr__` below, never copied).
-import collections  # noqa: F401
-from functools import lru_cache  # noqa: F401
-from typing import Tuple  # noqa: F401
 
-from mlx_lm.models.cache import _BaseCache  # noqa: F401
-
-from veloxquant_mlx.attention.packed_sdpa import ExactPart  # noqa: F401
-from veloxquant_mlx.cache._batch import _ONE_TOKEN, _folded_part_masks, _requested_window, _window_mask  # noqa: F401
-from veloxquant_mlx.cache.rows import row_arrays  # noqa: F401
-from veloxquant_mlx.cache.saved_state import BATCH_FORMAT, FORMAT  # noqa: F401  (the formats of `state`)
-from veloxquant_mlx.cache._face import _weight_arrays  # noqa: F401
-from veloxquant_mlx.cache._pipeline import PipelineDependency  # noqa: F401
-from veloxquant_mlx.cache.rows import concat_rows, take_rows  # noqa: F401
-from veloxquant_mlx.validate import check_heads  # noqa: F401
 
 class TurboQuantPackedCache(_PackedFace):
     """mlx_lm-compatible KV cache storing keys and values as codes.
@@ -346,16 +330,3 @@ class TurboQuantBatchRotatingPackedCache(TurboQuantBatchPackedCache):
     max_size = property(lambda self: self.window[0])
     keep = property(lambda self: self.window[1])
 
-
-# Module-level state of the batch faces lives in `_batch` only: read it there (not a copy made at import).
-_BATCH_STATE = ("_last_masks", "_window_masks")
-
-
-def __getattr__(name: str):
-    if name in _BATCH_STATE:
-        return getattr(_batch, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted([*globals(), *_BATCH_STATE])

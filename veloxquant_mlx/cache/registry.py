@@ -39,17 +39,16 @@ def mlx_lm_cache_classes():
     """Make our cache classes (`CACHE_CLASSES`) visible to ``mlx_lm.models.cache`` by name, for the ``with`` block
     only (mlx_lm's ``load_prompt_cache`` and ``CacheList.from_state`` look classes up there by ``__name__``)."""
     namespace = vars(mlx_cache)
-    added = []
-    for cls in CACHE_CLASSES:
+    for cls in CACHE_CLASSES:  # checked before anything is added: a refusal leaves the namespace as it was
         present = namespace.get(cls.__name__)
-        if present is None:
-            namespace[cls.__name__] = cls
-            added.append(cls.__name__)
-        elif present is not cls:
+        if present is not None and present is not cls:
             raise RuntimeError(
                 f"mlx_lm.models.cache already defines a different {cls.__name__}; refusing to shadow it"
             )
+    added = [cls.__name__ for cls in CACHE_CLASSES if cls.__name__ not in namespace]
     try:
+        for name in added:
+            namespace[name] = next(c for c in CACHE_CLASSES if c.__name__ == name)
         yield
     finally:
         for name in added:

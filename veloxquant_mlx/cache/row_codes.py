@@ -1,4 +1,4 @@
-"""What the codecs store for `Rows` (:mod:`veloxquant_mlx.cache.rows`): one codec's code slots of B rows
+"""What the codecs store for `Rows` (:mod:`veloxquant_mlx.cache.row_policy`): one codec's code slots of B rows
 (`RowCodes`, a `SlotStore` of the codec's declared layout), the tail (`CodedTail`: exact tokens in and out, stored as
 its coder codes them) and its coder when a layout codes its waiting tokens (`TailCoder`), and what a codec declares,
 read once per configuration (`_layouts`); with the small array helpers the row modules share.
@@ -10,8 +10,14 @@ from typing import Dict, Optional, Sequence
 
 import mlx.core as mx
 
+from veloxquant_mlx.attention.kernel import compiled_encoder
 from veloxquant_mlx.codecs import codec_layout
-from veloxquant_mlx.core.slot_store import TOKEN_AXIS, SlotStore, _round_up, fold  # noqa: F401
+from veloxquant_mlx.codecs.affine_encode import set_compiled_provider
+from veloxquant_mlx.quant.slot_store import TOKEN_AXIS, SlotStore
+
+# The codecs' affine encoding runs compiled where the kernel may run (the same arrays, bit for bit): chosen here,
+# where the caches code tokens, the first layer that imports both the codecs and the kernel.
+set_compiled_provider(compiled_encoder)
 
 
 def column(values: Sequence[int]) -> mx.array:

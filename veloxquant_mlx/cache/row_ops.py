@@ -1,4 +1,4 @@
-"""Rows in, rows out (`Rows`: :mod:`veloxquant_mlx.cache.rows`): a batch's rows taken (`take_rows`), batches
+"""Rows in, rows out (`Rows`: :mod:`veloxquant_mlx.cache.row_policy`): a batch's rows taken (`take_rows`), batches
 joined (`concat_rows`), one row's arrays as a saved state holds them (`row_arrays`) and back (`rows_from_arrays`),
 a batch's arrays as stored back into rows (`batch_rows_from_arrays`): the public constructors the saved states
 (:mod:`veloxquant_mlx.cache.saved_state`) build `Rows` with.
@@ -10,7 +10,8 @@ from typing import Dict, List, Sequence
 import mlx.core as mx
 
 from veloxquant_mlx.attention.kernel import gather_rows
-from veloxquant_mlx.cache.row_codes import _layouts, _round_up
+from veloxquant_mlx.cache.row_codes import _layouts
+from veloxquant_mlx.quant.slot_store import round_up
 from veloxquant_mlx.cache.row_policy import COUNTS, Rows
 
 
@@ -45,7 +46,7 @@ def _take(rows: Rows, idx: List[int], out: Rows) -> Rows:
     sink = list(rows.sink.items()) if rows.sink is not None else []
     codes = []
     for src, dst in ((rows.k_codes, out.k_codes), (rows.v_codes, out.v_codes)):
-        cap = min(_round_up(max(out.coded), src.grow), src.capacity)
+        cap = min(round_up(max(out.coded), src.grow), src.capacity)
         kept = (src.arrays if cap == src.capacity else src.slice_tokens(src.arrays, 0, cap)) if cap else {}
         codes.append((dst, cap, list(kept.items())))
     L, n = rows.tail.length, max(out.tail_n)

@@ -1,4 +1,4 @@
-"""Attention views of `Rows` (:mod:`veloxquant_mlx.cache.rows`): the parts attention reads, every row folded
+"""Attention views of `Rows` (:mod:`veloxquant_mlx.cache.row_policy`): the parts attention reads, every row folded
 (`attention_parts`, with `part_masks`) or one row alone (`row_parts`), as a mixin the `Rows` class inherits.
 """
 from __future__ import annotations
@@ -8,7 +8,8 @@ from typing import List, Optional
 import mlx.core as mx
 
 from veloxquant_mlx.attention.packed_sdpa import CodedPart, ExactPart
-from veloxquant_mlx.cache.row_codes import column, fold
+from veloxquant_mlx.cache.row_codes import column
+from veloxquant_mlx.quant.slot_store import fold
 
 
 class RowViews:

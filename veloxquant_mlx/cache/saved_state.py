@@ -38,10 +38,12 @@ from typing import Any, Dict, Tuple
 import mlx.core as mx
 
 from veloxquant_mlx.cache._face import _check_window
-from veloxquant_mlx.cache.rows import Rows, TailCoder, batch_rows_from_arrays, row_arrays, rows_from_arrays
+from veloxquant_mlx.cache.row_policy import Rows
+from veloxquant_mlx.cache.row_codes import TailCoder
+from veloxquant_mlx.cache.row_ops import batch_rows_from_arrays, row_arrays, rows_from_arrays
 from veloxquant_mlx.codecs import codec_layout
-from veloxquant_mlx.config import KVCacheConfig
-from veloxquant_mlx.options import CacheOptions
+from veloxquant_mlx.compat.config import KVCacheConfig
+from veloxquant_mlx.cache.options import CacheOptions
 from veloxquant_mlx.validate import FLOAT_DTYPES
 
 # of a single cache's ``state``; formats 1 (config + options) and 2 are still read, except turboquant_prod codes:

@@ -3,7 +3,7 @@
 The contract every layout implements is :class:`~veloxquant_mlx.codecs.contract.Codec`. A cache option
 ``codec=NAME`` picks a `CodecLayout` from `CODECS`: the key codec class and the value codec class (a layout
 made for keys may pair with another for values). Adding a layout: one file here, one line in `CODECS`; the file's
-classes implement `Codec` (mostly through :mod:`~veloxquant_mlx.codecs._common`'s `PerTokenLayout`: declare
+classes implement `Codec` (mostly through :mod:`~veloxquant_mlx.codecs.common`'s `PerTokenLayout`: declare
 ``token_fields``, ``fitted_spec`` / ``fitted_from`` if anything is fitted, and the coding and attention members)
 and declare ``BITS``, ``OUTLIERS``, ``GROUP_SIZES`` and ``BLOCKED`` (`CodecLayout`; options are validated on them).
 """

@@ -19,7 +19,7 @@ import threading
 
 import mlx.core as mx
 
-from veloxquant_mlx.codecs._common import f32
+from veloxquant_mlx.codecs.common import f32
 
 FUSED_BITS = (2, 4, 8)
 

@@ -1,7 +1,7 @@
 """Packed Lloyd-Max codes <-> their float levels in fused elementwise kernels (pure MLX: `mx.compile`).
 
 Attention on Lloyd-Max codes needs ``levels[code]`` for every stored coordinate at every step. Reading them
-with MLX's gather (`mx.take`, after unpacking the bit fields through `dsa.bit_pack`'s gather tables) costs about
+with MLX's gather (`mx.take`, after unpacking the bit fields through `quant.bit_pack`'s gather tables) costs about
 12 ns an element on CPU; a compiled elementwise kernel that cuts the bit fields with shifts and evaluates the
 levels as a polynomial of the code costs about 1 ns (`LevelDecoder`; benchmarks/probes/attention.py, BENCHMARKS.md).
 `CodePacker` is the way back for encoding: index search by compares and bit packing in one kernel.
@@ -22,7 +22,7 @@ arrays (multi-output, no broadcasting: MLX's strided broadcast loop and its conc
 the level arithmetic), and callers multiply each plane with the matching strided slice of the query
 (``q[..., j::P]``) and interleave their small outputs.
 
-Shapes: ``words`` ``(..., n, W)`` uint32 in `dsa.bit_pack`'s layout (``W = ceil(d b / 32)``) -> ``P`` planes
+Shapes: ``words`` ``(..., n, W)`` uint32 in `quant.bit_pack`'s layout (``W = ceil(d b / 32)``) -> ``P`` planes
 ``(..., n, d / P)`` float32. A compiled function is traced once per input shape (~0.4 ms a trace; shapeless
 compilation ran its kernels 2-3x slower on CPU), so the token axis is padded to a multiple of `TOKEN_BUCKET`:
 one trace then serves that many decode steps.
@@ -164,7 +164,7 @@ class CodePacker:
     Index = the number of boundaries strictly below the value (`codebooks.quantize_to_codebook`), summed from
     compares in the kernel; the codes of a unit are shifted into place there too (same unit layout as
     `LevelDecoder`). `exact` is False when the layout does not apply (more than 4 bits, or ``d`` not whole
-    units); the caller then packs with `dsa.bit_pack`.
+    units); the caller then packs with `quant.bit_pack`.
     """
 
     def __init__(self, boundaries: np.ndarray, bits: int, d: int):
@@ -184,7 +184,7 @@ class CodePacker:
     def __call__(self, y: mx.array) -> mx.array:
         """``(..., n, d)`` float32 -> ``(..., n, ceil(d bits / 32))`` uint32."""
         if not self.exact:
-            raise RuntimeError("CodePacker does not apply to these codes: use dsa.bit_pack.pack")
+            raise RuntimeError("CodePacker does not apply to these codes: use quant.bit_pack.pack")
         unit_bytes, per_unit = self.layout
         # No token bucket: a cache encodes a few shapes over and over (one token per decode step, its
         # prefill chunk), so each is traced once; padding one token to a bucket would code 256.

@@ -18,12 +18,12 @@ from typing import Dict, Optional
 
 import mlx.core as mx
 
-from veloxquant_mlx.codecs._affine_encode import affine_encode
-from veloxquant_mlx.codecs._common import (PerTokenLayout, clamp_to, f32, finite_channel_mean,
+from veloxquant_mlx.codecs.affine_encode import affine_encode
+from veloxquant_mlx.codecs.common import (PerTokenLayout, clamp_to, f32, finite_channel_mean,
                                            packed_matmul_ok)
 from veloxquant_mlx.codecs._dequant import dequantize
 from veloxquant_mlx.codecs.contract import AffineCodes
-from veloxquant_mlx.rotation import ROTATION_KINDS, make_rotation
+from veloxquant_mlx.quant.rotation import ROTATION_KINDS, make_rotation
 from veloxquant_mlx.validate import check_bool, check_choice, check_heads, check_int
 
 AFFINE_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize supports

@@ -22,8 +22,8 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from veloxquant_mlx.codecs._affine_encode import affine_encode, reference_affine_encode
-from veloxquant_mlx.codecs._common import clamp_to, packed_matmul_ok
+from veloxquant_mlx.codecs.affine_encode import affine_encode, reference_affine_encode
+from veloxquant_mlx.codecs.common import clamp_to, packed_matmul_ok
 from veloxquant_mlx.codecs._dequant import dequantize
 from veloxquant_mlx.codecs.affine import FIELDS, AffineRotatedCodec
 from veloxquant_mlx.codecs.contract import AffineCodes, CodeField

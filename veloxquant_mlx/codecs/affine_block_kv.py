@@ -29,7 +29,7 @@ from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 
-from veloxquant_mlx.codecs._common import f32, packed_matmul_ok
+from veloxquant_mlx.codecs.common import f32, packed_matmul_ok
 from veloxquant_mlx.codecs.affine import AFFINE_GROUP_SIZES, AffineRotatedCodec
 from veloxquant_mlx.codecs.affine_block import AffineBlockKeyCodec
 from veloxquant_mlx.codecs.lloyd_max import LloydMaxCodec

@@ -22,7 +22,7 @@ from typing import Dict, Optional
 
 import mlx.core as mx
 
-from veloxquant_mlx.codecs._common import f32
+from veloxquant_mlx.codecs.common import f32
 from veloxquant_mlx.codecs.affine import AFFINE_GROUP_SIZES, AffineRotatedCodec
 from veloxquant_mlx.codecs.contract import AffineCodes
 from veloxquant_mlx.validate import check_heads

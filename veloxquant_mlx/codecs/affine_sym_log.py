@@ -12,7 +12,7 @@ as ``kblock_vsym``'s search) for the least squared error, so the coarse grid cos
 (BENCHMARKS.md) the same KL as float16 scales. A token costs ``b + 8 / g`` bits
 (4.125 at 4 bits, g = 64) instead of ``b + 16 / g``: with ``kblock_vsym``'s block keys (``b + 0.25``) the layout
 takes ``b + 0.1875`` bits per coordinate, which leaves room in a ``b + 0.25`` budget for an exact first token
-(the attention sink; see `veloxquant_mlx.options`).
+(the attention sink; see `veloxquant_mlx.cache.options`).
 
 Attention is ``kblock_vsym``'s: the compiled kernel reads the one-byte scales through a 256-entry table (the same
 grid, its constants checked when the module loads); the pure-MLX path decodes them to float32 (one small

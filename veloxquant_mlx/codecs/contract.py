@@ -13,7 +13,7 @@ codec's own layout (token axis 2, or last for transposed layouts), which it decl
 Fitted parameters are per head (axis 0 = heads) and pure to compute: `Codec.fitted_from` returns them without
 changing the codec, `Codec.with_fitted` returns a new codec holding them (``fit`` / ``load_fitted`` are the in-place
 forms, kept for the caches that hold one codec per sequence). Shared implementations:
-:mod:`veloxquant_mlx.codecs._common` (`FittedParams`, `PerTokenLayout`).
+:mod:`veloxquant_mlx.codecs.common` (`FittedParams`, `PerTokenLayout`).
 """
 from __future__ import annotations
 

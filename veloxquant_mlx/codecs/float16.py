@@ -9,7 +9,7 @@ from typing import Dict, Optional
 
 import mlx.core as mx
 
-from veloxquant_mlx.codecs._common import PerTokenLayout, clamp_to, f32
+from veloxquant_mlx.codecs.common import PerTokenLayout, clamp_to, f32
 from veloxquant_mlx.validate import check_heads, check_int
 
 

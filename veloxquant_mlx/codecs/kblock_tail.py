@@ -14,7 +14,7 @@ layout's b + 0.1875 (issue 47). This layout stores them as codes from the moment
 
 A waiting key costs ``b + TAIL_EXTRA_BITS + 0.125`` bits against the block's ``b + 0.25``: with at most 127 of
 them the layout stays within the ``b + 0.25`` budget at every length the budget presets are measured at (2048,
-3000, 4096 tokens; `veloxquant_mlx.eval.memory.measure_bits`). The cache (`veloxquant_mlx.cache.rows`) reads the
+3000, 4096 tokens; `veloxquant_mlx.apps.eval.memory.measure_bits`). The cache (`veloxquant_mlx.cache.row_policy`) reads the
 tail codec from the key codec (`tail_codec`); the value codec codes its own tail (`codes_tail`).
 """
 from __future__ import annotations

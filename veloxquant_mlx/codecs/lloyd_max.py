@@ -1,6 +1,6 @@
 """``lloyd_max``: TurboQuant codes (seeded rotation + per-coordinate Lloyd-Max codebook, packed indices, norms).
 
-Per token vector x (one head, length d), around the quantizers of :mod:`veloxquant_mlx.quantizers`:
+Per token vector x (one head, length d), around the quantizers of :mod:`veloxquant_mlx.quant.quantizers`:
 
 1. optional centring by a per-head channel mean ``mu`` ``(H, d)`` fitted once on the first tokens: ``x - mu``
    is coded and ``mu`` added back on decode (the error then scales with ``||x - mu||``, FINDINGS.md);
@@ -29,13 +29,13 @@ from typing import Dict, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
-from veloxquant_mlx.codecs._common import PerTokenLayout, clamp_to, f32, finite_channel_mean
+from veloxquant_mlx.codecs.common import PerTokenLayout, clamp_to, f32, finite_channel_mean
 from veloxquant_mlx.codecs._levels import CodePacker, LevelDecoder, interleave
 from veloxquant_mlx.codecs.contract import AffineCodes
-from veloxquant_mlx.core.context import EncodedVector
-from veloxquant_mlx.dsa.bit_pack import packed_words
-from veloxquant_mlx.quantizers import QUANTIZERS
-from veloxquant_mlx.quantizers._common import store_norms, unit_and_norm
+from veloxquant_mlx.quant.encoded_vector import EncodedVector
+from veloxquant_mlx.quant.bit_pack import packed_words
+from veloxquant_mlx.quant.quantizers import QUANTIZERS
+from veloxquant_mlx.quant.quantizer_common import store_norms, unit_and_norm
 from veloxquant_mlx.validate import check_heads, check_int, check_outlier_channels
 
 GROUPS = ("o", "i")  # stored order: outlier channels first, then the inliers
@@ -141,7 +141,7 @@ class _TokenEncoder:
     """``quant``'s encode of one token per row (a decode step) as one `mx.compile`d graph: a decode step codes a
     token per layer, and eagerly that is 20-60 small MLX operations of ~10 us each on CPU (TurboQuant-Prod keys
     0.86 ms per layer, compiled 0.38, measured alone: BENCHMARKS.md, issue 29's section); the same arrays bit for bit
-    (tests/codecs/test_codec_contract.py). Longer inputs (prompt chunks, of many shapes) stay eager."""
+    (tests/codecs/test_lloyd_max.py). Longer inputs (prompt chunks, of many shapes) stay eager."""
 
     def __init__(self, quant):
         packer = _packer(quant)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from veloxquant_mlx.core.constants import INT8_MAX
+from veloxquant_mlx.compat.constants import INT8_MAX
 
 
 def int8_absmax(x: mx.array) -> tuple[mx.array, mx.array]:

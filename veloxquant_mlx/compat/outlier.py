@@ -1,7 +1,7 @@
 """Calibrated choice of outlier channels of a key stream: the seed pages' `OutlierDetector`.
 
 Used only by the standalone :class:`~veloxquant_mlx.compat.turboquant_cache.TurboQuantKVCache` (its two-stream
-keys); documented as ``veloxquant_mlx.outlier.detector``, which re-exports it. The serving engine's outlier
+keys); documented as ``veloxquant_mlx.outlier.detector`` (that path imports this module). The serving engine's outlier
 channels are the ``lloyd_max`` codec's own (:mod:`veloxquant_mlx.codecs.lloyd_max`), not this class.
 
 A few channels of LLM keys carry most of their energy. TurboQuant's error grows with the
@@ -21,8 +21,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from veloxquant_mlx.core.abstractions import as_float_rows
-from veloxquant_mlx.core.constants import DEFAULT_N_CALIB_TOKENS
+from veloxquant_mlx.compat.abstractions import as_float_rows
+from veloxquant_mlx.compat.constants import DEFAULT_N_CALIB_TOKENS
 from veloxquant_mlx.validate import check_int
 
 

@@ -1,10 +1,10 @@
 """Standalone TurboQuant KV cache of one attention head: packed keys, int8 values, ring buffer.
 
-Keys go through :class:`~veloxquant_mlx.quantizers.TurboQuantProd` (``method="turboquant_prod"``:
+Keys go through :class:`~veloxquant_mlx.quant.quantizers.TurboQuantProd` (``method="turboquant_prod"``:
 ``b-1``-bit MSE indices, 1-bit QJL signs of the residual, residual norm) or
-:class:`~veloxquant_mlx.quantizers.TurboQuantMSE` (``method="turboquant_mse"``: ``b``-bit indices)
+:class:`~veloxquant_mlx.quant.quantizers.TurboQuantMSE` (``method="turboquant_mse"``: ``b``-bit indices)
 at ``b = config.bit_width_inlier``, and the cache stores exactly what the quantizer's
-:class:`~veloxquant_mlx.core.context.EncodedVector` holds (packed uint32 words, norms, ...), one
+:class:`~veloxquant_mlx.quant.encoded_vector.EncodedVector` holds (packed uint32 words, norms, ...), one
 row per token. Values are stored per token as int8 codes with a float16 scale (absmax / 127).
 
 Optionally (``enable_outlier_two_stream`` with ``n_outlier_channels > 0``) an
@@ -13,7 +13,7 @@ over the first ``n_calib_tokens`` keys; from then on those channels are split of
 stored as int8 with a per-token float16 scale, and the key with those channels zeroed goes
 through the quantizer. The score of a split key is ``q_in . k_in_hat + q_out . k_out_hat``.
 
-This is a "standalone" method (:data:`~veloxquant_mlx.cache.base.STANDALONE_METHODS`): it answers
+This is a "standalone" method (:data:`~veloxquant_mlx.compat.methods.STANDALONE_METHODS`): it answers
 attention itself (``attend``) and does not implement the mlx_lm cache protocol.
 
 Semantics (what a user can rely on):
@@ -54,15 +54,15 @@ from veloxquant_mlx.compat._ring import dtype_name as _dtype_name
 from veloxquant_mlx.compat._ring import int8_absmax as _int8_absmax
 from veloxquant_mlx.compat._ring import read_slots, slot_ranges, write_slots
 from veloxquant_mlx.compat.outlier import OutlierDetector
-from veloxquant_mlx.config import KVCacheConfig
-from veloxquant_mlx.core.abstractions import KVCache, as_float_rows
-from veloxquant_mlx.core.constants import CACHE_GROWTH_STEP, INT8_MAX  # noqa: F401  (INT8_MAX: importable as before)
-from veloxquant_mlx.core.context import EncodedVector
-from veloxquant_mlx.quantizers import QUANTIZERS
-from veloxquant_mlx.quantizers._common import to_output_dtype
+from veloxquant_mlx.compat.config import KVCacheConfig
+from veloxquant_mlx.compat.abstractions import KVCache, as_float_rows
+from veloxquant_mlx.compat.constants import CACHE_GROWTH_STEP
+from veloxquant_mlx.quant.encoded_vector import EncodedVector
+from veloxquant_mlx.quant.quantizers import QUANTIZERS
+from veloxquant_mlx.quant.quantizer_common import to_output_dtype
 
-# The methods this standalone cache offers (documented as ``veloxquant_mlx.cache.base.STANDALONE_METHODS``, which
-# re-exports it: defined here so that the seed's cache imports nothing of the cache layer above it).
+# The methods this standalone cache offers (documented as ``veloxquant_mlx.cache.base.STANDALONE_METHODS``: that path
+# is `veloxquant_mlx.compat.methods`, which reads it from here).
 STANDALONE_METHODS = frozenset({"turboquant_mse", "turboquant_prod"})
 
 
@@ -70,7 +70,7 @@ class TurboQuantKVCache(KVCache):
     """TurboQuant-compressed standalone KV cache (see the module docstring for the semantics).
 
     Args:
-        config: a :class:`~veloxquant_mlx.config.KVCacheConfig` with ``method`` in
+        config: a :class:`~veloxquant_mlx.compat.config.KVCacheConfig` with ``method`` in
             ``STANDALONE_METHODS``, ``head_dim`` set; read also: ``bit_width_inlier``, ``jl_dim``
             (Prod sketch size, default ``TurboQuantProd.m_default``), ``seed``, ``rotation``,
             ``capacity``, ``enable_outlier_two_stream``, ``n_outlier_channels``,

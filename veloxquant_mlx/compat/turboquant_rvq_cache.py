@@ -33,13 +33,13 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, create_attention_mask
 
-from veloxquant_mlx.codecs._common import FLOAT16_MAX
+from veloxquant_mlx.codecs.common import FLOAT16_MAX
 from veloxquant_mlx.codecs.lloyd_max import get_quantizer
-from veloxquant_mlx.config import KVCacheConfig
-from veloxquant_mlx.core.context import EncodedVector
-from veloxquant_mlx.core.slot_store import SlotStore
-from veloxquant_mlx.dsa.bit_pack import packed_words
-from veloxquant_mlx.quantizers._common import to_output_dtype
+from veloxquant_mlx.compat.config import KVCacheConfig
+from veloxquant_mlx.quant.encoded_vector import EncodedVector
+from veloxquant_mlx.quant.slot_store import SlotStore
+from veloxquant_mlx.quant.bit_pack import packed_words
+from veloxquant_mlx.quant.quantizer_common import to_output_dtype
 from veloxquant_mlx.validate import check_heads
 
 _FIELDS = ("indices", "indices2", "norms", "values")  # the state's order: packed1, packed2, norms, values

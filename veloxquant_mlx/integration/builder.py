@@ -22,19 +22,19 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from mlx_lm.models import cache as mlx_cache
 
 from veloxquant_mlx.attention import hook
-from veloxquant_mlx.calibration.file import Calibration
+from veloxquant_mlx.integration.calibration import Calibration
 from veloxquant_mlx.codecs import codec_layout
 from veloxquant_mlx.integration.routing import hold_while_alive
 from veloxquant_mlx.integration.scan import (_model_modules, _reads_member_arrays, attention_is_routable,
                                              fetches_real_arrays, uniform_head_dim)
-from veloxquant_mlx.options import adapted_reason, resolve_options
+from veloxquant_mlx.cache.options import adapted_reason
+from veloxquant_mlx.cache.presets import resolve_options
 from veloxquant_mlx.validate import check_bool, check_int
 
 # The cache classes this module builds and converts (the only imports of cache classes here); the classes known by
 # name in prompt-cache files are `veloxquant_mlx.cache.registry.CACHE_CLASSES` (``integration.CACHE_CLASSES`` reads it).
 from veloxquant_mlx.cache import registry
-from veloxquant_mlx.cache.packed_cache import (TurboQuantBatchPackedCache, TurboQuantBatchRotatingPackedCache,
-                                               TurboQuantPackedCache, TurboQuantRotatingPackedCache)
+from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache, TurboQuantRotatingPackedCache
 from veloxquant_mlx.cache.chunked import TurboQuantChunkedPackedCache
 from veloxquant_mlx.compat.turboquant_rvq_cache import TurboQuantRVQKVCache
 
@@ -66,10 +66,10 @@ class KVCacheBuilder:
     """Makes fresh compressed caches for a model from one `CacheOptions`.
 
     Args:
-        config / options: as `veloxquant_mlx.options.resolve_options`: a preset name, a `CacheOptions`, the seed
+        config / options: as `veloxquant_mlx.cache.presets.resolve_options`: a preset name, a `CacheOptions`, the seed
             pages' `KVCacheConfig` (``bit_width_inlier`` = ``k_bits``) or None; keyword options (any `CacheOptions`
             field: ``kind``, ``method``, ``codec``, ``k_bits`` / ``v_bits`` (one int, or one per layer), ``sink``,
-            ``recent``, ...) override it. Nothing at all: `veloxquant_mlx.options.DEFAULT`.
+            ``recent``, ...) override it. Nothing at all: `veloxquant_mlx.cache.presets.DEFAULT`.
 
     `build` enables placeholder fetches (attention on codes inside ``use_packed_attention()``) only for
     models whose attention the routing reaches (`attention_is_routable`); other models' caches decode.
@@ -199,8 +199,8 @@ def _chunked(cache, options, placeholders: bool):
 
 
 # The cache kinds: mlx_lm's cache class a model makes -> ``convert(cache, options, placeholders)`` giving ours.
-# A new kind is one module (its cache class, a face over `veloxquant_mlx.cache.rows.Rows`, and its conversion)
-# plus `register_cache_kind` (tests/mlx_lm/test_new_cache_kind.py does exactly that).
+# A new kind is one module (its cache class, a face over `veloxquant_mlx.cache.row_policy.Rows`, and its conversion)
+# plus `register_cache_kind` (tests/integration/test_builder_new_cache_kind.py does exactly that).
 CACHE_KINDS: Dict[type, Callable] = {mlx_cache.KVCache: _full_attention, mlx_cache.RotatingKVCache: _sliding_window,
                                      mlx_cache.ChunkedKVCache: _chunked}
 

@@ -29,7 +29,7 @@ def enable(model, config=None, *, calibration=None, **options):
     """Make every cache mlx_lm builds for ``model`` a compressed one, attended from its codes; returns ``model``.
 
     ``config`` / ``options``: as `make_prompt_cache` (a preset name, a `CacheOptions`, a `KVCacheConfig`, or
-    keyword options); none given: `veloxquant_mlx.options.DEFAULT`. ``calibration``: a `Calibration` of this
+    keyword options); none given: `veloxquant_mlx.cache.presets.DEFAULT`. ``calibration``: a `Calibration` of this
     model (`veloxquant_mlx.calibrate`, `Calibration.load`): its channel weights in every layer's cache.
     """
     if not hasattr(model, "layers"):

@@ -18,7 +18,7 @@ from mlx_lm.models import base as mlx_base
 
 from veloxquant_mlx.integration import routing
 from veloxquant_mlx.integration.routing import _NAME, packed_scaled_dot_product_attention
-from veloxquant_mlx.model_shape import head_dim as model_head_dim
+from veloxquant_mlx.integration.model_shape import head_dim as model_head_dim
 
 
 def _code_objects(code):
@@ -162,7 +162,7 @@ def attention_is_routable(model) -> bool:
 
 
 def uniform_head_dim(model) -> Optional[int]:
-    """The model's head_dim (`veloxquant_mlx.model_shape.head_dim`) when every layer's keys and values have it; None
+    """The model's head_dim (`veloxquant_mlx.integration.model_shape.head_dim`) when every layer's keys and values have it; None
     for per-layer head dims (Gemma 4's global layers), MLA latents, or a model that does not say."""
     d = model_head_dim(model)
     if d is None or fetches_real_arrays(model):

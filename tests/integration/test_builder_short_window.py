@@ -1,0 +1,61 @@
+"""Issue 55's sliding-window rule: a window layer of at most ``short_window`` tokens codes keys and values at no fewer
+than ``short_window_bits`` (the default: 1024 tokens, 8 bits); full-attention layers are untouched. Builds caches on
+the tiny model only (no forward pass)."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+import veloxquant_mlx as vq
+from veloxquant_mlx.integration.builder import layer_kinds_note
+from veloxquant_mlx.cache.presets import DEFAULT, SHORT_WINDOW, preset
+from veloxquant_mlx.cache.options import CacheOptions
+
+
+def _bits(caches):
+    return [(type(c).__name__, c.options.codec, c.options.k_bits, c.options.value_bits) for c in caches]
+
+
+def test_full_attention_layers_keep_the_default(tiny_model):
+    assert DEFAULT.short_window == SHORT_WINDOW == 1024 and DEFAULT.short_window_bits == 8
+    assert set(_bits(vq.make_prompt_cache(tiny_model))) == {("TurboQuantPackedCache", "affine_block", 8, 4)}
+
+
+@pytest.mark.parametrize("window, values", [(512, 8), (SHORT_WINDOW, 8), (SHORT_WINDOW + 1, 4)])
+def test_short_windows_code_at_8_bits(tiny_model, window, values):
+    caches = vq.make_prompt_cache(tiny_model, max_kv_size=window)  # every layer a window of `window` tokens
+    assert set(_bits(caches)) == {("TurboQuantRotatingPackedCache", "affine", 8, values)}
+
+
+def test_the_rule_is_an_option(tiny_model):
+    off = vq.make_prompt_cache(tiny_model, dataclasses_replace(DEFAULT, short_window=0), max_kv_size=512)
+    assert {c.options.value_bits for c in off} == {4}
+    budget = vq.make_prompt_cache(tiny_model, dataclasses_replace(preset("tq-4b"), short_window=512), max_kv_size=512)
+    assert {(c.options.k_bits, c.options.value_bits) for c in budget} == {(8, 8)}
+    assert preset("tq-4b").short_window == 0  # the budget presets keep their bits
+    higher = vq.make_prompt_cache(tiny_model, k_bits=8, v_bits=8, codec="affine", short_window=512,
+                                  short_window_bits=4, max_kv_size=512)
+    assert {(c.options.k_bits, c.options.value_bits) for c in higher} == {(8, 8)}  # a floor, never lower
+    with pytest.raises(ValueError):
+        CacheOptions(short_window=-1)
+    with pytest.raises(ValueError):
+        CacheOptions(short_window_bits=9)
+
+
+def test_enable_says_what_each_kind_of_layer_does(tiny_model):
+    mixed = vq.make_prompt_cache(tiny_model)[:1] + vq.make_prompt_cache(tiny_model, max_kv_size=512)[1:]
+    note = layer_kinds_note(mixed)
+    assert note == ("layers by kind: layer 0: full attention: codec 'affine_block', keys 8 / values 4 bits, sink 4; "
+                    "layer 1: sliding window of 512 tokens: codec 'affine', keys 8 / values 8 bits, sink 4")
+    assert layer_kinds_note(vq.make_prompt_cache(tiny_model)) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a full-attention model: enable says nothing
+        vq.enable(tiny_model)
+    vq.disable(tiny_model)
+
+
+def dataclasses_replace(options, **changes):
+    import dataclasses
+
+    return dataclasses.replace(options, **changes)
