@@ -58,17 +58,13 @@ from veloxquant_mlx.apps.eval.specs import CONFIGURATIONS, compressed_spec, with
 from veloxquant_mlx.cache.options import CacheOptions  # noqa: E402
 from veloxquant_mlx.apps.models.loader import load_model  # noqa: E402
 
-# The research configurations (name -> make_prompt_cache options) and the helpers that build issue 47's entries
-# live in _quality_configs.py; imported here so that quality.OURS and the rest stay where they were.
-from _quality_configs import OURS, _budget_variant, _tail_layout  # noqa: E402,F401
+# The research configurations (name -> make_prompt_cache options) live in _quality_configs.py.
+from _quality_configs import OURS  # noqa: E402
 from _prerope import pre_rope_caches  # noqa: E402
+# The tables and the plot written after a run live in _quality_tables.py.
+from _quality_tables import markdown, plot, text_table  # noqa: E402
 
 DEFAULT = "kv,mlx-q4,mlx-q2,k4v4,k5v3,k5v3-o8,k4v3-o8,k4v2-o8,k3v2-o8,k3v1-o8,seed-rvq-b1,seed-rvq-b2,seed-rvq-b3"
-BUDGETS = (  # (bits, max dppl %, max KL or None, needle misses allowed: 9/9 -> 0, >= 8/9 -> 1)
-    (2.25, 10.0, None, 1),
-    (3.25, 3.0, 0.03, 0),
-    (4.25, 1.0, 0.01, 0),
-)
 
 
 def make_specs(names, calibration=None):
@@ -172,24 +168,6 @@ def _pre_rope_spec(name, spec, pre_rope=True, unrotated=False):
 
     what = " and ".join(w for w, on in (("keys stored before RoPE", pre_rope), ("key rotation out", unrotated)) if on)
     return CacheSpec(name, make, "veloxquant", None, f"{spec.description}; {what} (probe)", options=spec.options)
-
-
-def verdict(bits, dppl_pct, kl, needle):
-    """The tightest budget the bits fit, and whether its targets are met (None where not measured)."""
-    for budget, max_dppl, max_kl, misses in BUDGETS:
-        if bits <= budget + 1e-9:
-            checks = [dppl_pct <= max_dppl]
-            if max_kl is not None:
-                checks.append(kl <= max_kl)
-            if needle is not None:
-                checks.append(needle["total"] - needle["passed"] <= misses)
-            return f"<={budget:g}", all(checks)
-    return ">4.25", None
-
-
-def pct(r):
-    """Δppl in percent of the plain cache's perplexity."""
-    return 100.0 * r["delta_ppl"] / (r["ppl"] - r["delta_ppl"])
 
 
 def main(argv=None):
@@ -319,21 +297,6 @@ def spec_bits(model, specs, lengths) -> dict:
     return out
 
 
-def bits_table(results) -> str:
-    """Markdown: each configuration's bits (every stored byte) at the reported lengths and averaged over a KL
-    window's positions."""
-    bits = results.get("bits") or {}
-    if not bits:
-        return ""
-    lengths = sorted({int(n) for b in bits.values() for n in b["bits"]})
-    head = ["method"] + [f"bits @{n}" for n in lengths] + [f"KL-window average @{n}" for n in lengths]
-    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name, b in bits.items():
-        out.append("| " + " | ".join([name] + [f"{b['bits'][str(n)]:.3f}" for n in lengths]
-                                     + [f"{b['kl_average_bits'][str(n)]:.3f}" for n in lengths]) + " |")
-    return "\n".join(out) + "\n"
-
-
 def _calibration(path, model, tokenizer):
     """The calibration in ``path``, or one made now on the default calibration text and saved there."""
     if os.path.exists(path):
@@ -373,121 +336,6 @@ def merge(runs):
                 acc["passed"] += n["passed"]
                 acc["total"] += n["total"]
     return out
-
-
-def rows_of(results):
-    """(corpus, config, {context: row}) in run order; row = perplexity_eval's dict of that config (the contexts
-    it ran at)."""
-    for corpus, per in results["corpora"].items():
-        names = list(dict.fromkeys(n for c in sorted(per["ppl"], key=int) for n in per["ppl"][c]))
-        for name in names:
-            yield corpus, name, {int(c): per["ppl"][c][name] for c in per["ppl"] if name in per["ppl"][c]}
-
-
-def needle_of(results, name):
-    n = (results.get("needle") or {}).get("results", {}).get(name)
-    return n
-
-
-def row_verdict(results, name, by_ctx):
-    """The budget a config fits (its largest bits over the 2048 / 4096 contexts measured, else all) and whether
-    that budget's targets are met at every context measured."""
-    judged = [c for c in by_ctx if c >= 2048] or list(by_ctx)
-    bits = max(by_ctx[c]["memory"]["bits_per_coordinate"] for c in judged)
-    worst_dppl = max(pct(r) for r in by_ctx.values())
-    worst_kl = max(r["kl"] for r in by_ctx.values())
-    return (bits,) + verdict(bits, worst_dppl, worst_kl, needle_of(results, name))
-
-
-def text_table(results) -> str:
-    lines = []
-    for corpus, name, by_ctx in rows_of(results):
-        bits, budget, met = row_verdict(results, name, by_ctx)
-        cells = " ".join(f"{c}: {by_ctx[c]['memory']['bits_per_coordinate']:.2f}b {pct(by_ctx[c]):+7.2f}% "
-                         f"KL {by_ctx[c]['kl']:.4f} t1 {by_ctx[c]['top1']:.3f}" for c in sorted(by_ctx))
-        n = needle_of(results, name)
-        shown = f"{n['passed']}/{n['total']}" if n else "-"
-        lines.append(f"{corpus:16s} {name:22s} {cells}  needle {shown}  {budget} {met}")
-    for name, b in (results.get("bits") or {}).items():
-        lines.append(f"bits {name:22s} " + " ".join(f"@{n}: {v:.3f}" for n, v in b["bits"].items())
-                     + "  KL-window average " + " ".join(f"@{n}: {v:.3f}" for n, v in b["kl_average_bits"].items()))
-    return "\n".join(lines)
-
-
-def markdown(results, args) -> str:
-    """The BENCHMARKS.md tables: one per corpus (every context), then the passkey results."""
-    out = []
-    needle = results.get("needle")
-    for corpus, per in results["corpora"].items():
-        ctxs = sorted(int(c) for c in per["ppl"])
-        out.append(f"**{corpus}** ({per['tokens']:,} tokens; windows per context: "
-                   + ", ".join(f"{c}: {per['ppl'][str(c)]['kv']['windows']}" for c in ctxs) + ")\n")
-        head = ["method"] + [f"{k} @{c}" for c in ctxs for k in ("bits", "ppl", "Δppl", "KL", "top-1")]
-        head += ["passkey", "budget", "targets met"]
-        out.append("| " + " | ".join(head) + " |")
-        out.append("|" + "---|" * len(head))
-        for c_name, name, by_ctx in rows_of(results):
-            if c_name != corpus:
-                continue
-            bits, budget, met = row_verdict(results, name, by_ctx)
-            cells = [name]
-            for c in ctxs:
-                r = by_ctx.get(c)
-                cells += ([f"{r['memory']['bits_per_coordinate']:.2f}", f"{r['ppl']:.3f}", f"{pct(r):+.2f} %",
-                           f"{r['kl']:.4f}", f"{r['top1']:.3f}"] if r else ["not run"] + [""] * 4)
-            n = needle_of(results, name)
-            cells += [f"{n['passed']}/{n['total']}" if n else "not run", budget,
-                      "-" if met is None else ("yes" if met else "no")]
-            out.append("| " + " | ".join(cells) + " |")
-        out.append("")
-    if results.get("bits"):
-        out.append("Bits per coordinate, every stored byte (`veloxquant_mlx.apps.eval.memory.measure_bits`, random tokens "
-                   "in the model's attention shape), at each length and averaged over a KL window's positions:\n")
-        out.append(bits_table(results))
-    if needle:
-        out.append(f"Passkey: filler from {needle['corpus']}, lengths {needle['lengths']} x depths "
-                   f"{'/'.join(f'{100 * d:g}' for d in needle.get('depths', (0.1, 0.5, 0.9)))} %.\n")
-    cal = results.get("calibration")
-    if cal:
-        out.append(f"`+cal`: calibration {cal['id']} ({cal['file']}, {cal['bytes']:,} bytes of arrays, per model), "
-                   f"measured on {cal['text']['tokens']} tokens of {cal['text']['description']}.\n")
-    return "\n".join(out) + "\n"
-
-
-def plot(results, path):
-    """Δppl (%) and KL against measured bits per coordinate (at the largest context run), a marker per
-    method, a panel pair per corpus; log scales (mlx-q2 is off by orders of magnitude)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    corpora = list(results["corpora"])
-    fig, axes = plt.subplots(len(corpora), 2, figsize=(11, 4.2 * len(corpora)), squeeze=False)
-    for i, corpus in enumerate(corpora):
-        per = results["corpora"][corpus]["ppl"]
-        ctx = max(per, key=int)
-        for name, r in per[ctx].items():
-            if name == "kv":
-                continue
-            bits = r["memory"]["bits_per_coordinate"]
-            for ax, y in ((axes[i][0], max(pct(r), 1e-3)), (axes[i][1], max(r["kl"], 1e-5))):
-                ax.scatter(bits, y, marker="s" if name.startswith("mlx") else "o")
-                ax.annotate(name, (bits, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-        for ax, label, goals in ((axes[i][0], "Δppl vs plain cache (%)", (1, 3, 10)), (axes[i][1], "KL (nats/token)",
-                                                                                   (0.01, 0.03))):
-            ax.set_yscale("log")
-            ax.set_xlabel("bits per coordinate (measured, every stored byte)")
-            ax.set_ylabel(label)
-            ax.set_title(f"{corpus}, context {ctx}", fontsize=9)
-            for x in (2.25, 3.25, 4.25):
-                ax.axvline(x, color="grey", lw=0.5, ls=":")
-            for g in goals:
-                ax.axhline(g, color="red", lw=0.5, ls=":")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def save(path, results):

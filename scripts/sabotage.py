@@ -3,12 +3,14 @@
 
     python3 scripts/sabotage.py            # every sabotage (a few minutes on 2 cores)
     python3 scripts/sabotage.py nbytes_half loader_raises
+    python3 scripts/sabotage.py --fast     # one quick test per sabotage (CI runs this: tests/project/test_sabotage.py)
 
-Not part of CI. Each sabotage is a monkeypatch applied inside the pytest process by this same file loaded
-as a pytest plugin (``-p sabotage``, selected by the ``VQ_SABOTAGE`` environment variable): no file is
-edited. The selected tests first run once unsabotaged (a test failing then proves nothing and is not
-counted); then each sabotage runs its tests. Prints a table of the tests each sabotage made fail, ends
-with ``N of M sabotages caught`` and exits 0 only when every sabotage made at least one test fail.
+CI runs the fast subset (`FAST`); the whole table is for a change that touches the tests. Each sabotage is a
+monkeypatch applied inside the pytest process by this same file loaded as a pytest plugin (``-p sabotage``,
+selected by the ``VQ_SABOTAGE`` environment variable): no file is edited. The selected tests first run once
+unsabotaged (a test failing then proves nothing and is not counted); then each sabotage runs its tests. Prints
+a table of the tests each sabotage made fail, ends with ``N of M sabotages caught`` and exits 0 only when
+every sabotage made at least one test fail.
 
 Every name the sabotages touch (module paths, attributes) and every test they run is in the two tables
 below, so that a renaming in the library means editing them only.
@@ -65,6 +67,17 @@ TESTS = {
                     "tests/apps/eval/test_perplexity.py::test_lockstep_registered_specs_on_tiny_model",
                     "tests/cache/test_packed_cache.py"],
     "server_checks_off": ["tests/apps/test_server.py", "tests/apps/test_server_requests.py"],
+}
+# The fast subset (`--fast`, run by CI through tests/project/test_sabotage.py): one quick test per sabotage that
+# catches it, so that a change making the tests blind to one of these breaks CI, not only this script.
+FAST = {
+    "attention_off": ["tests/integration/test_routing.py::test_protocol_cache_routed_inside_original_back_outside"],
+    "random_keys": [
+        "tests/integration/test_builder_mlx_lm_paths.py::test_8bit_greedy_tokens_equal_plain_cache[1-float32-llama]"],
+    "bits_lower": ["tests/cache/test_presets_budgets.py::test_budget_configurations_stay_within_their_bits"],
+    "loader_raises": ["tests/apps/models/test_loader.py::test_bad_model_argument"],
+    "nbytes_half": ["tests/integration/test_builder_mlx_lm_paths.py::test_nbytes_is_the_sum_of_stored_arrays"],
+    "server_checks_off": ["tests/apps/test_server_requests.py"],
 }
 ENV = "VQ_SABOTAGE"
 NOT_APPLIED = "SABOTAGE NOT APPLIED"  # printed by the plugin when a target is missing (renamed?)
@@ -194,19 +207,22 @@ def run_pytest(tests, sabotage=None):
 
 
 def main(argv):
+    fast = "--fast" in argv
+    argv = [a for a in argv if a != "--fast"]
+    tests = FAST if fast else TESTS
     chosen = argv or list(TARGETS)
     unknown = [k for k in chosen if k not in TARGETS]
     if unknown:
         print(f"unknown sabotage(s) {unknown}; choose from {sorted(TARGETS)}", file=sys.stderr)
         return 2
-    union = sorted({t for k in chosen for t in TESTS[k]})
+    union = sorted({t for k in chosen for t in tests[k]})
     base_failed, base_summary, secs = run_pytest(union)
     print(f"baseline (no sabotage), {len(union)} selections: {base_summary} [{secs:.0f} s]")
     for t in sorted(base_failed):
         print(f"  fails without sabotage (not counted): {t}")
     rows, caught = [], 0
     for kind in chosen:
-        failed, summary, secs = run_pytest(TESTS[kind], kind)
+        failed, summary, secs = run_pytest(tests[kind], kind)
         new = sorted(failed - base_failed)
         caught += bool(new)
         rows.append((kind, "yes" if new else "NO", len(new), summary, secs, new))

@@ -147,3 +147,19 @@ def test_standalone_cache_attends_finite_near_float16_max(method):
     out = cache.attend(x)  # was inf: int8 codes * the rounded-up float16 scale give 65532
     assert out.dtype == mx.float16 and mx.all(mx.isfinite(out)).item()
     assert mx.all(mx.isfinite(cache.keys())).item()
+
+
+@pytest.mark.parametrize("quantizer", ["turboquant_mse", "turboquant_prod", "turboquant_rvq"])
+@pytest.mark.parametrize("dtype", [mx.int8, mx.int16, mx.int32, mx.int64])
+def test_decode_refuses_signed_code_indices_naming_the_field(quantizer, dtype):
+    """Issue 57: signed indices decoded silently (a -1 read the codebook from its end); codes are unsigned."""
+    q = QUANTIZERS[quantizer](64, 3)
+    ev = q.encode(mx.random.normal((3, 64), key=mx.random.key(1)))
+    codes = ev.codes(ev.bits)  # (3, 64) code indices
+    with pytest.raises(TypeError, match=rf"EncodedVector\.indices must hold unsigned codes: .* got dtype {dtype}"):
+        dataclasses.replace(ev, indices=codes.astype(dtype))
+    ev.indices = codes.astype(dtype)  # the seed's dataclass took assignments: checked when decoded
+    with pytest.raises(TypeError, match=rf"ev\.indices must hold unsigned codes: .* got dtype {dtype}"):
+        q.decode(ev)
+    ev.indices = codes.astype(mx.uint8)
+    assert ev.indices.dtype == mx.uint8 and q.decode(ev).shape == (3, 64)

@@ -27,6 +27,8 @@ import numpy as np
 from veloxquant_mlx.quant.bit_pack import packed_words, unpack
 
 _ARRAY_FIELDS = ("indices", "norms", "signs", "residual_norm", "indices2")
+# The dtypes code indices may have (what the quantizers and the seed write: uint8 codes, uint32 packed words).
+CODE_DTYPES = (mx.uint8, mx.uint16, mx.uint32)
 
 
 def _as_array(value, name: str, owner: str = "EncodedVector"):
@@ -125,6 +127,10 @@ class EncodedVector:
             if a is not None and (a.ndim == 0 or not mx.issubdtype(a.dtype, mx.integer)):
                 raise ValueError(f"{owner}.{name} must be an integer array (..., words) or (..., d), "
                                  f"got dtype {a.dtype}, shape {tuple(a.shape)}")
+            # codes are unsigned: a signed array's negative entries would index the codebook from its end
+            if a is not None and a.dtype not in CODE_DTYPES:
+                raise TypeError(f"{owner}.{name} must hold unsigned codes: uint32 packed words (..., words) or "
+                                f"uint8 / uint16 / uint32 code indices (..., d); got dtype {a.dtype}")
         s = stored.get("signs")
         if s is not None and s.ndim == 0:
             raise ValueError(f"{owner}.signs must have a trailing sign axis, got a scalar")
