@@ -131,7 +131,7 @@ def test_bad_cli_values_fail_before_the_model_loads(argv, named, monkeypatch, ca
 
 def test_footprint_is_what_veloxquant_methods_reports(tiny_model):
     n_layers, kv_heads, head_dim = 2, 1, 64  # conftest's tiny model
-    rows = {spec.name: m for spec, m in cli._measured(head_dim, kv_heads)}
+    rows = {spec.name: m for spec, m in cli.measure._measured(head_dim, kv_heads)}
     for name in ("kv", "mlx-q4", METHOD):
         fp = vs.measure_footprint(tiny_model, resolve_spec(name).make_cache)
         assert fp["layers"] == n_layers

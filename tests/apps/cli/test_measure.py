@@ -99,7 +99,7 @@ def test_plan_lists_what_a_head_dim_cannot_take(capsys):
 def test_methods_exits_nonzero_only_when_no_method_applies(capsys, monkeypatch):
     import veloxquant_mlx.apps.cli as cli
 
-    only_mlx_q = [s for s in cli.registered_specs() if s.family == "mlx-q"]
+    only_mlx_q = [s for s in registered_specs() if s.family == "mlx-q"]
     monkeypatch.setattr(cli.measure, "registered_specs", lambda head_dim=None: only_mlx_q)  # (read by `presets`)
     assert cli.main(["presets", "--head-dim", "7"]) == 1
     (line,) = _lines(capsys.readouterr().err)

@@ -11,9 +11,8 @@ functions that need them.
 
 The package: `main` and the command table here; the parser in :mod:`~veloxquant_mlx.apps.cli.parser`, the pieces the
 commands share in :mod:`~veloxquant_mlx.apps.cli.common`, the commands in :mod:`~veloxquant_mlx.apps.cli.run` (demo, generate)
-and :mod:`~veloxquant_mlx.apps.cli.measure` (eval, presets, plan, calibrate, serve). Every name the single module
-``cli.py`` had is importable from here as before; to patch one, patch it in the module that uses it (a name
-imported here is a second reference, and the commands do not read it).
+and :mod:`~veloxquant_mlx.apps.cli.measure` (eval, presets, plan, calibrate, serve). Import each name from the module
+that defines it.
 """
 from __future__ import annotations
 
@@ -26,40 +25,10 @@ from veloxquant_mlx.apps.eval.corpus import CorpusMissing
 from veloxquant_mlx.integration.routing import use_packed_attention
 from veloxquant_mlx.apps.models import ModelPackageMissing
 from veloxquant_mlx.apps.cli.common import CLIError
-from veloxquant_mlx.apps.cli.measure import cmd_calibrate, cmd_eval, cmd_methods, cmd_plan, cmd_presets, cmd_serve  # noqa: F401
+from veloxquant_mlx.apps.cli.measure import cmd_calibrate, cmd_eval, cmd_plan, cmd_presets, cmd_serve
 from veloxquant_mlx.apps.cli.parser import DEPRECATED_COMMANDS, build_parser
+from veloxquant_mlx.apps.server import deprecation_line
 from veloxquant_mlx.apps.cli.run import cmd_demo, cmd_generate
-
-# Re-exported: every other name `veloxquant_mlx.apps.cli` held as one module stays importable from it (tests, benchmarks
-# and scripts import some of them). The commands do not read these: patch a name in the module that uses it.
-import argparse, json, math, time  # noqa: E401, E402, F401, I001
-import mlx.core as mx  # noqa: E402, F401
-from mlx_lm import stream_generate  # noqa: E402, F401
-from mlx_lm.generate import BatchGenerator  # noqa: E402, F401
-from tqdm.auto import tqdm  # noqa: E402, F401
-
-from veloxquant_mlx.attention import kernel as attention_kernel  # noqa: E402, F401
-from veloxquant_mlx.apps.blas import loaded_blas  # noqa: E402, F401
-from veloxquant_mlx.integration.calibration import Calibration  # noqa: E402, F401
-from veloxquant_mlx.apps.distributed import rank_summary, shard  # noqa: E402, F401
-from veloxquant_mlx.apps.eval import corpus_tokens, passkey_eval, perplexity_eval, speed_eval  # noqa: E402, F401
-from veloxquant_mlx.apps.eval.corpus import CORPORA, DEFAULT_CORPUS  # noqa: E402, F401
-from veloxquant_mlx.apps.eval.forward import greedy_decode, prefill  # noqa: E402, F401
-from veloxquant_mlx.apps.eval.memory import DEFAULT_CONTEXT, measure_bytes_per_token, model_kv_shape, plan_context  # noqa: E402, F401
-from veloxquant_mlx.apps.eval.specs import (MLX_GROUP_SIZE, baseline_specs, registered_specs, resolve_spec,  # noqa: E402, F401
-                          with_calibration)
-from veloxquant_mlx.integration.enabling import disable, enable
-from veloxquant_mlx.integration.measure_calibration import calibrate  # noqa: E402, F401
-from veloxquant_mlx.apps.models import load_model, max_context  # noqa: E402, F401
-from veloxquant_mlx.cache.presets import DEFAULT_NAME
-from veloxquant_mlx.apps.server import (DEPRECATED_FLAGS, add_serve_arguments, deprecation_line, probe_batching,  # noqa: E402, F401
-                      serve_main)
-from veloxquant_mlx.apps.cli.common import (_chat_ids, _check_context, _check_writable, _load, _load_calibration,  # noqa: E402, F401
-                     _require_matplotlib, _say, _select_specs, _table, _with_reference, _write_json, plot_ppl)
-from veloxquant_mlx.apps.cli.measure import DEFAULT_MARK, _inapplicable, _measure_all, _measured, _reasons  # noqa: E402, F401
-from veloxquant_mlx.apps.cli.parser import (DEMO_PROMPT, MAX_BITS, _bits, _depths, _int_list, _Parser, _positive,  # noqa: E402, F401
-                     _positive_float, _positive_int)
-from veloxquant_mlx.apps.cli.run import _generate_batched, _read_prompts  # noqa: E402, F401
 
 
 # Commands that run models: inside use_packed_attention() (serve installs it in its own serving context).
