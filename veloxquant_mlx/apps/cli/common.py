@@ -2,6 +2,8 @@
 preset selection, writing JSON, tables, chat prompts, the perplexity plot."""
 from __future__ import annotations
 
+import importlib.util
+
 import json
 import os
 import sys
@@ -116,9 +118,7 @@ def _chat_ids(tok, prompt: str, raw: bool = False) -> List[int]:
 
 
 def _require_matplotlib():
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("matplotlib") is None:  # asked before the run, not imported until the plot
         raise CLIError("--plot needs matplotlib: pip install 'veloxquant-mlx[plot]' (or pip install matplotlib)")
 
 
