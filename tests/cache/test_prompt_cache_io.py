@@ -33,8 +33,8 @@ from veloxquant_mlx.compat.config import KVCacheConfig
 from veloxquant_mlx.cache.options import CacheOptions
 from veloxquant_mlx.apps.eval.specs import CONFIGURATIONS as REGISTERED
 from veloxquant_mlx.cache import prompt_cache_io
+from _token_feed_helpers import D, H, _feed, _tokens
 
-H, D = 2, 64
 # every registered configuration, plus exact recent windows (no registered one keeps them)
 CONFIGURATIONS = {**REGISTERED,
                   "recent-affine": CacheOptions(k_bits=4, v_bits=4, sink=4, recent=6, codec="affine"),
@@ -43,26 +43,6 @@ WINDOW, KEEP = 100, 4
 # sink (4), key blocks (64 / 128 tokens), a block plus the exact tail it waits in (~71), the window (100)
 EDGES = (0, 1, 3, 4, 5, 63, 64, 65, 71, 72, 73, 99, 100, 101, 127, 128, 129, 200, 256, 300)
 CONTINUE = (7, 1, 1)  # after loading: a prompt chunk, then two decode steps
-
-
-def _tokens(n: int, seed: int, B: int = 1):
-    g = np.random.default_rng(seed)
-    return tuple(mx.array(g.standard_normal((B, H, n, D)).astype(np.float32)) for _ in range(2))
-
-
-def _chunks(n: int, sizes) -> list:
-    out, sizes = [], list(sizes) or [n]
-    while sum(out) < n:
-        out.append(min(sizes[len(out) % len(sizes)], n - sum(out)))
-    return out
-
-
-def _feed(cache, n: int, sizes, seed: int) -> None:
-    k, v = _tokens(n, seed)
-    at = 0
-    for c in _chunks(n, sizes):
-        cache.update_and_fetch(k[:, :, at:at + c], v[:, :, at:at + c])
-        at += c
 
 
 def _through_file(caches: list) -> list:

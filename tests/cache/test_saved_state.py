@@ -12,6 +12,7 @@ import pytest
 from veloxquant_mlx.apps.eval.specs import CONFIGURATIONS
 from veloxquant_mlx.cache import saved_state
 from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache, TurboQuantRotatingPackedCache
+from _token_feed_helpers import _feed
 
 OPTIONS = {
     "lloyd_max": dict(k_bits=4, v_bits=4, sink=2, recent=3, n_outlier_channels=4),
@@ -141,27 +142,6 @@ def test_array_names_follow_the_prefixes_and_meta_reads_back(codec):
 
 
 # -- a batch's saved state believes nothing its arrays cannot back up ------------------------------------------
-H, D = 2, 64
-
-
-def _tokens(n: int, seed: int, B: int = 1):
-    g = np.random.default_rng(seed)
-    return tuple(mx.array(g.standard_normal((B, H, n, D)).astype(np.float32)) for _ in range(2))
-
-
-def _chunks(n: int, sizes) -> list:
-    out, sizes = [], list(sizes) or [n]
-    while sum(out) < n:
-        out.append(min(sizes[len(out) % len(sizes)], n - sum(out)))
-    return out
-
-
-def _feed(cache, n: int, sizes, seed: int) -> None:
-    k, v = _tokens(n, seed)
-    at = 0
-    for c in _chunks(n, sizes):
-        cache.update_and_fetch(k[:, :, at:at + c], v[:, :, at:at + c])
-        at += c
 
 
 def _saved_batch(name="tq-affine-k8v4", counts=(150, 40)):

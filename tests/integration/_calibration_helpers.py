@@ -28,3 +28,4 @@ def _skewed_copy(model, factor: float = 8.0):
     mx.eval(new.parameters())
     new.eval()
     return new
+

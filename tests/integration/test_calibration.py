@@ -3,33 +3,21 @@ used by every cache built for it (how it is measured: test_measure_calibration.p
 from __future__ import annotations
 
 import json
-import os
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import KVCache
 
 import veloxquant_mlx as vq
-from veloxquant_mlx.integration.calibration import META_KEY, Calibration, model_fingerprint
+from veloxquant_mlx.integration.calibration import META_KEY, Calibration
 from veloxquant_mlx.quant.channel_weights import MAX_LOG2, channel_weights, is_power_of_two
 from veloxquant_mlx.apps.eval.memory import measure_bytes_per_token, model_kv_shape
 from veloxquant_mlx.cache.prompt_cache_io import load_prompt_cache, save_prompt_cache
-from veloxquant_mlx.apps.eval import CacheSpec, perplexity_eval
+from veloxquant_mlx.apps.eval import perplexity_eval
 from veloxquant_mlx.apps.eval.specs import with_calibration, compressed_spec
 from veloxquant_mlx.cache.presets import PRESETS
 from veloxquant_mlx.cache.options import CacheOptions
-from _calibration_helpers import _skewed_copy
 
-
-@pytest.fixture(scope="module")
-def skewed(tiny_model):
-    return _skewed_copy(tiny_model)
-
-
-@pytest.fixture(scope="module")
-def calibration(skewed, random_tokens):
-    return vq.calibrate(skewed, random_tokens[:600], description="random tokens 0..600")
 
 
 def test_channel_weights_are_exact_powers_of_two_that_follow_the_optimum():

@@ -12,21 +12,10 @@ import pytest
 from mlx_lm.models.cache import KVCache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-import veloxquant_mlx as vq
 from veloxquant_mlx.apps.eval.architectures import IdTokenizer
 from veloxquant_mlx.integration import measure_calibration
 from veloxquant_mlx.integration.calibration import model_fingerprint
-from _calibration_helpers import _skewed_copy
 
-
-@pytest.fixture(scope="module")
-def skewed(tiny_model):
-    return _skewed_copy(tiny_model)
-
-
-@pytest.fixture(scope="module")
-def calibration(skewed, random_tokens):
-    return vq.calibrate(skewed, random_tokens[:600], description="random tokens 0..600")
 
 
 def test_calibrate_measures_the_skewed_channels(calibration, skewed):
