@@ -34,14 +34,13 @@ import veloxquant_mlx as vq  # noqa: E402
 from veloxquant_mlx.apps.eval import corpus_tokens  # noqa: E402
 from veloxquant_mlx.apps.models.loader import load_model  # noqa: E402
 
+# The caches users run: mlx_lm's own (plain, 8-bit, 4-bit) and this library's default and 4-bit budget presets.
 CACHES = {
     "kv": lambda m: [KVCache() for _ in m.layers],
-    "mlx-q4": lambda m: [QuantizedKVCache(group_size=64, bits=4) for _ in m.layers],
     "mlx-q8": lambda m: [QuantizedKVCache(group_size=64, bits=8) for _ in m.layers],
-    "tq-k4v4": lambda m: vq.make_prompt_cache(m, k_bits=4, v_bits=4),
-    "tq-k5v3-o8": lambda m: vq.make_prompt_cache(m, k_bits=5, v_bits=3, n_outlier_channels=8),
-    "tq-k4v2-o8": lambda m: vq.make_prompt_cache(m, k_bits=4, v_bits=2, n_outlier_channels=8),
-    "seed-rvq-b2": lambda m: vq.make_prompt_cache(m, kind="rvq", k_bits=2),
+    "mlx-q4": lambda m: [QuantizedKVCache(group_size=64, bits=4) for _ in m.layers],
+    "tq-affine-k8v4": lambda m: vq.make_prompt_cache(m, "tq-affine-k8v4"),
+    "tq-4b": lambda m: vq.make_prompt_cache(m, "tq-4b"),
 }
 
 
@@ -102,7 +101,7 @@ def main(argv=None):
     ap.add_argument("--prompt", type=int, default=4096)
     ap.add_argument("--decode", type=int, default=100)
     ap.add_argument("--prefill-step", type=int, default=2048, help="mlx_lm's prefill_step_size")
-    ap.add_argument("--caches", default="kv,mlx-q4,tq-k4v4,tq-k5v3-o8,tq-k4v2-o8")
+    ap.add_argument("--caches", default=",".join(CACHES))
     _common.add_out(ap, "results/memory.json")
     args = ap.parse_args(argv)
 
