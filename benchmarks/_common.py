@@ -136,7 +136,7 @@ def registered(name: str):
 
 def make_cache(name: str, model):
     """A fresh cache list for ``model``: a registered method's (as the CLI builds it), ``kv`` (mlx_lm's ``KVCache``)
-    or ``mlx-q4`` (mlx_lm's ``QuantizedKVCache(group_size=64, bits=4)``)."""
+    or ``mlx-q8`` / ``mlx-q4`` (mlx_lm's ``QuantizedKVCache(group_size=64, bits=8 / 4)``)."""
     from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
     spec = registered(name)
@@ -144,9 +144,9 @@ def make_cache(name: str, model):
         return spec.make_cache(model)
     if name == "kv":
         return [KVCache() for _ in model.layers]
-    if name == "mlx-q4":
-        return [QuantizedKVCache(group_size=64, bits=4) for _ in model.layers]
-    raise ValueError(f"unknown configuration {name!r}: kv, mlx-q4 or a registered TurboQuant method")
+    if name in ("mlx-q8", "mlx-q4"):
+        return [QuantizedKVCache(group_size=64, bits=int(name[-1])) for _ in model.layers]
+    raise ValueError(f"unknown configuration {name!r}: kv, mlx-q8, mlx-q4 or a registered TurboQuant method")
 
 
 def context_for(name: str):

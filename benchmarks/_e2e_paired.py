@@ -17,9 +17,10 @@ import time
 import _common
 from _common import registered
 
-CONFIGS = ("kv", "mlx-q4", "tq-block4-hook", "tq-block84-hook", "tq-block8-hook", "tq-affine4-hook", "tq-lm4-hook",
+CONFIGS = ("kv", "mlx-q8", "mlx-q4", "tq-block4-hook", "tq-block84-hook", "tq-block8-hook", "tq-affine4-hook", "tq-lm4-hook",
            "tq-lm4")
-DEFAULT_CONFIGS = CONFIGS[:-1]
+# what users run: mlx_lm's plain / 8-bit / 4-bit caches, the default preset and the 4-bit tier (registered names)
+DEFAULT_CONFIGS = ("kv", "mlx-q8", "mlx-q4", "tq-affine-k8v4", "tq-4b")
 # (codec, key bits, value bits) of our configs
 OURS = {
     "tq-block4-hook": ("affine_block", 4, 4),

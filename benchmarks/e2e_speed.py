@@ -1,6 +1,8 @@
 """End-to-end speed and peak memory of SmolLM2-135M with each KV cache, attention on codes included.
 
-Configs (all in one process; decode repeats interleaved so machine load hits every config alike):
+Configs (all in one process; decode repeats interleaved so machine load hits every config alike). The default
+run is the caches users run: ``kv``, ``mlx-q8``, ``mlx-q4``, the default preset ``tq-affine-k8v4`` and ``tq-4b``
+(``DEFAULT_CONFIGS``); the others are kept for diagnosis:
 
 - ``kv``: mlx_lm ``KVCache`` (float, the reference for the ratios);
 - ``mlx-q4``: mlx_lm ``QuantizedKVCache(group_size=64, bits=4)``;
