@@ -93,9 +93,14 @@ class PreRopeKeys:
 
 
 def pre_rope_caches(model, caches, pre_rope: bool = True, unrotated: bool = False) -> list:
-    """``caches`` (one per layer of ``model``, ours, decoded history) wrapped in `PreRopeKeys` with each layer's RoPE."""
+    """``caches`` (one per layer of ``model``, ours, decoded history) wrapped in `PreRopeKeys` with each layer's RoPE;
+    a sliding-window layer (the model's own cache a ``RotatingKVCache``: Gemma 3) is left as it is (its slots are
+    not its positions), so the lever is measured on the full-attention layers."""
+    from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+
     layers = model.layers
     if len(layers) != len(caches):
         raise ValueError(f"pre-RoPE probe: {len(caches)} caches for {len(layers)} layers")
-    return [PreRopeKeys(c, rope_settings(layer.self_attn.rope), pre_rope, unrotated)
-            for layer, c in zip(layers, caches)]
+    windows = [isinstance(c, RotatingKVCache) for c in make_prompt_cache(model)]
+    return [c if w else PreRopeKeys(c, rope_settings(layer.self_attn.rope), pre_rope, unrotated)
+            for layer, c, w in zip(layers, caches, windows)]

@@ -147,6 +147,16 @@ OURS = {
     # "tq{b}-sw" a budget preset with it (window layers of <= 1024 tokens at 8-bit keys and values).
     "tq-affine-k8v4-sw0": _preset_variant("tq-affine-k8v4", short_window=0),
     **{f"tq{b}-sw": _budget_variant(b, short_window=1024) for b in (4, 3, 2)},
+    # With the rule, the full-attention layers' levers (Gemma 3): 4 exact sink tokens; keys centred on the sequence's
+    # key mean; key blocks of 64 tokens (finer per-channel ranges, +0.25 bit).
+    "tq4-sw-s4": _budget_variant(4, short_window=1024, sink=4),
+    "tq4-sw-c": _budget_variant(4, short_window=1024, center_keys=True),
+    "tq4-sw-g64": _budget_variant(4, short_window=1024, group_size=64),
+    # Block keys coded in the model's own channels (CacheOptions.key_rotation="none"; the windows code per token
+    # and keep the rotation): "-kr0".
+    **{f"tq{b}-kr0": _budget_variant(b, key_rotation="none") for b in (4, 3, 2)},
+    **{f"tq{b}-sw-kr0": _budget_variant(b, short_window=1024, key_rotation="none") for b in (4, 3, 2)},
+    "tq-affine-k8v4-kr0": _preset_variant("tq-affine-k8v4", key_rotation="none"),
     # The seed's cache: two b-bit RVQ key streams, float16 values.
     "seed-rvq-b1": dict(kind="rvq", k_bits=1),
     "seed-rvq-b2": dict(kind="rvq", k_bits=2),

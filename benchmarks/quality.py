@@ -16,7 +16,7 @@ needle (passkey) test. Each row says which bit budget it fits and whether it mee
 Issue 55's layer-kind probes, for models with sliding-window layers (Gemma 3): ``win:NAME`` / ``glob:NAME`` code
 only the window (``RotatingKVCache``) / only the full-attention layers with NAME's caches, mlx_lm's own caches on
 the others; ``NAME@wk8`` / ``NAME@wv8`` / ``NAME@wkv8``: NAME with 8-bit keys / values / both on the window layers
-only (per-layer bits)::
+only (per-layer bits), ``NAME@gk8`` / ``@gv8`` / ``@gkv8`` the same on the full-attention layers::
 
     python benchmarks/quality.py --model gemma3-270m --contexts 2048 --windows 1 --bits-lengths 2048,8192 \
         --configs kv,mlx-q8,win:tq-affine-k8v4,glob:tq-affine-k8v4,tq-affine-k8v4@wv8
@@ -86,9 +86,9 @@ def make_specs(names, calibration=None):
         elif name.partition(":")[0] in LAYER_KINDS and ":" in name:  # issue 55: one layer kind coded
             kind, _, inner = name.partition(":")
             specs.append(_layer_kind_spec(name, make_specs([inner], calibration)[0], kind))
-        elif "@" in name and name.rpartition("@")[2] in WINDOW_BITS:  # issue 55: 8 bits on the window layers
+        elif "@" in name and name.rpartition("@")[2] in LAYER_BITS:  # issue 55: 8 bits on one layer kind
             inner, _, lever = name.rpartition("@")
-            specs.append(_window_bits_spec(name, make_specs([inner], calibration)[0], *WINDOW_BITS[lever]))
+            specs.append(_layer_bits_spec(name, make_specs([inner], calibration)[0], *LAYER_BITS[lever]))
         elif name.split("-", 1)[0] in PROBES and "-" in name:  # issue 47's key probes (benchmarks/_prerope.py)
             prefix, inner = name.split("-", 1)
             specs.append(_pre_rope_spec(name, make_specs([inner], calibration)[0], *PROBES[prefix]))
@@ -98,8 +98,9 @@ def make_specs(names, calibration=None):
             specs.append(compressed_spec(name, CONFIGURATIONS[name]))
         elif name in OURS:
             opts = OURS[name]
+            options = CacheOptions(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in opts.items()})
             specs.append(CacheSpec(name, lambda m, o=opts: vq.make_prompt_cache(m, **o),
-                                   "veloxquant", None, json.dumps(opts)))
+                                   "veloxquant", None, json.dumps(opts), options=options))
         else:
             known = sorted(base) + sorted(CONFIGURATIONS) + sorted(OURS)
             raise SystemExit(f"unknown config {name!r}; choose from {known}")
@@ -109,7 +110,9 @@ def make_specs(names, calibration=None):
 # Issue 55's probes of models with sliding-window layers: which layers a configuration codes, and 8 bits on the
 # window layers. A layer is a window layer when the model's own cache for it is mlx_lm's RotatingKVCache.
 LAYER_KINDS = ("win", "glob")
-WINDOW_BITS = {"wk8": (8, None), "wv8": (None, 8), "wkv8": (8, 8)}
+# lever -> (layer kind, key bits, value bits): 8 bits on the window (w) or full-attention (g) layers only
+LAYER_BITS = {"wk8": ("win", 8, None), "wv8": ("win", None, 8), "wkv8": ("win", 8, 8),
+              "gk8": ("glob", 8, None), "gv8": ("glob", None, 8), "gkv8": ("glob", 8, 8)}
 
 
 def _window_layers(model):
@@ -131,21 +134,23 @@ def _layer_kind_spec(name, spec, kind):
     return CacheSpec(name, make, spec.family, None, f"{spec.description}; on the {what} layers only (probe)")
 
 
-def _window_bits_spec(name, spec, k_bits=None, v_bits=None):
-    """``spec`` (one of ours, bits not per layer) with ``k_bits`` / ``v_bits`` on the window layers only."""
+def _layer_bits_spec(name, spec, kind, k_bits=None, v_bits=None):
+    """``spec`` (one of ours, bits not per layer) with ``k_bits`` / ``v_bits`` on the window (``kind`` "win") or
+    the full-attention ("glob") layers only."""
     o = spec.options
     if o is None or isinstance(o.k_bits, tuple) or isinstance(o.v_bits, tuple):
-        raise SystemExit(f"{name!r}: @wk8/@wv8/@wkv8 take one of our configurations with one bit width")
+        raise SystemExit(f"{name!r}: @{'/@'.join(LAYER_BITS)} take one of our configurations with one bit width")
 
     def make(model):
-        win = _window_layers(model)
+        chosen = [w == (kind == "win") for w in _window_layers(model)]
         per = {}
         for field, bits, own in (("k_bits", k_bits, o.k_bits), ("v_bits", v_bits, o.value_bits)):
-            per[field] = tuple(bits if (w and bits is not None) else own for w in win)
+            per[field] = tuple(bits if (c and bits is not None) else own for c in chosen)
         return vq.make_prompt_cache(model, dataclasses.replace(o, **per))
 
+    what = "window" if kind == "win" else "full-attention"
     return CacheSpec(name, make, spec.family, None,
-                     f"{spec.description}; window layers at k{k_bits or '='}/v{v_bits or '='} bits (probe)")
+                     f"{spec.description}; {what} layers at k{k_bits or '='}/v{v_bits or '='} bits (probe)")
 
 
 # Issue 47's key probes: prefix -> (keys before RoPE, the key codec's rotation taken out)

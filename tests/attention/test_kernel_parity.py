@@ -314,3 +314,32 @@ def test_left_padded_batch_with_sliding_windows_through_batch_generator(monkeypa
     assert got_tokens == want_tokens
     for g, w in zip(got_lp, want_lp):
         np.testing.assert_allclose(g, w, atol=1e-4)  # (log-probabilities through two layers and the head)
+
+
+# -- block keys coded in the model's own channels (key_rotation="none") ----------------------------------------------
+@pytest.mark.parametrize("preset,d", [(DEFAULT_NAME, 64), ("tq-4b", 64), ("tq-4b", 256)])
+def test_unrotated_block_keys(preset, d):
+    """`CacheOptions.key_rotation="none"`: the keys' codec holds the identity, the values keep their rotation; the
+    kernel reads those codes as the reference does, and both score the keys' own channels (the decoded keys match
+    the codes' affine levels without a rotation)."""
+    o = dataclasses.replace(resolve_options(preset), key_rotation="none").for_dims(d, d)
+    kc, vc = CODECS[o.codec].make(o, d, d)
+    assert kc.rotation.kind == "none" and vc.rotation.kind == "haar"
+    B, H, R, n = 1, 2, 4, 256
+    k, v = _rnd((B, H, n, d), 5) * 1.5 + 0.7, _rnd((B, H, n, d), 6)
+    kc.fit(k)
+    vc.fit(v)
+    codes = kc.encode(k)
+    # unrotated: what is coded is the keys themselves, and each channel's mean error is within its own block's step
+    centred = k if kc.mean is None else k - kc.mean[None, :, None, :]
+    np.testing.assert_array_equal(np.array(kc.rotate(k)), np.array(centred))
+    err = np.abs(np.array(kc.decode(codes, mx.float32)) - np.array(k))
+    span = np.array(k).reshape(B, H, n // kc.group_size, kc.group_size, d)
+    step = (span.max(axis=3) - span.min(axis=3)) / (2 ** o.k_bits - 1)
+    assert np.all(err.reshape(span.shape).mean(axis=3) <= step * 0.5)
+    parts = [CodedPart(kc, codes, vc, vc.encode(v))]
+    q = _rnd((B, H * R, 1, d), 7) * 2
+    with _Answered() as a:
+        out = kernel.decode_step(q, parts, d ** -0.5)
+    assert out is not None and a.n == 1 and a.refused == 0
+    _close(out, reference_one_query(q, parts, d ** -0.5))

@@ -33,6 +33,13 @@ def test_defaults_and_value_bits():
     (dict(sink=-1), ValueError, "sink"),
     (dict(center_keys=1), TypeError, "center_keys must be a bool"),
     (dict(rotation="qr"), ValueError, "rotation must be one of"),
+    (dict(rotation="none"), ValueError, r"rotation must be one of \('haar', 'hadamard'\)"),
+    (dict(codec="affine_block", key_rotation="qr"), ValueError,
+     r"key_rotation must be one of \('haar', 'hadamard', 'none'\)"),
+    (dict(codec="affine_block", key_rotation=[]), ValueError, "key_rotation must be a str or a non-empty list"),
+    (dict(codec="affine_block", key_rotation=["none", 1]), ValueError, r"key_rotation\[1\] must be one of"),
+    (dict(key_rotation="none"), ValueError, "key_rotation applies to the codecs that code keys per channel over "
+                                            r"blocks \('affine_block', .*not codec='lloyd_max'"),
     (dict(kind="rvq", sink=2), ValueError, "kind='rvq' keeps values in float16"),
     (dict(jl_dim=8), ValueError, "jl_dim .* applies only to method='turboquant_prod'"),
     (dict(group_size=32), ValueError, "group_size applies only to the affine codecs, not codec='lloyd_max'"),
@@ -61,6 +68,16 @@ def test_lists_become_tuples_and_layers_pick_their_bits():
         CacheOptions(head_dim=64).for_layer(0, 1, head_dim=80)
     with pytest.raises(ValueError, match="hold one value per layer"):
         o.layer_options()
+    r = CacheOptions(codec="affine_block", key_rotation=["none", "haar"])
+    assert r.key_rotation == ("none", "haar") and r.for_layer(0, 2).key_rotation == "none"
+    assert r.for_layer(1, 2).layer_options().key_rotation == "haar"
+    assert CacheOptions.from_dict(r.to_dict()) == r
+    with pytest.raises(ValueError, match="key_rotation has 2 entries, but the model has 3 layers"):
+        r.for_layer(0, 3)
+    with pytest.raises(ValueError, match="hold one value per layer"):
+        r.layer_options()
+    # a head dim the block keys cannot take: Lloyd-Max codes, which need their rotation
+    assert CacheOptions(codec="affine_block", k_bits=8, key_rotation="none").for_dims(80, 80).key_rotation is None
     with pytest.raises(ValueError, match="describes one layer"):
         o.kv_config()
 

@@ -172,3 +172,29 @@ def test_cache_report_and_coverage_line_say_what_was_compressed():
     line = coverage_line(Ssm(), mixed)
     assert line.startswith("veloxquant_mlx: ssm: 1 attention caches compressed, 3 left plain (2 x ") and line.endswith(
         "; 1 x object is a cache kind veloxquant does not know)"), line
+
+
+def test_key_rotation_reaches_the_block_keys_and_spares_the_windows(tmp_path):
+    """`key_rotation` (one value or one per layer) sets the rotation of the keys coded per channel over blocks (the
+    full-attention layers); a sliding window codes per token and keeps ``rotation``; a saved prompt-cache file
+    brings the choice back and the loaded caches continue the same logits."""
+    model = gemma3_text.Model(gemma3_text.ModelArgs(
+        model_type="gemma3_text", num_hidden_layers=4, head_dim=64, sliding_window=16,
+        sliding_window_pattern=2, query_pre_attn_scalar=64, **COMMON))
+    caches = vq.make_prompt_cache(model, "tq-4b", key_rotation=["none", "none", "haar", "none"])
+    tokens = mx.array([[(7 * i) % 64 for i in range(300)]])
+    model(tokens, cache=caches)  # (the codecs are made at the first update, from the head dims seen)
+    kinds = [c.rows.k_codec.rotation.kind for c in caches]
+    windows = [type(c) is TurboQuantRotatingPackedCache for c in caches]
+    assert windows == [True, False, True, False]
+    assert kinds == ["haar", "none", "haar", "none"]  # windows: per-token codes, the rotation kept
+    assert all(c.rows.v_codec.rotation.kind == "haar" for c in caches)
+    path = str(tmp_path / "kr.safetensors")
+    vq.save_prompt_cache(path, caches)
+    loaded = vq.load_prompt_cache(path)
+    assert [c.rows.k_codec.rotation.kind for c in loaded] == kinds
+    step = mx.array([[5]])
+    a, b = model(step, cache=caches), model(step, cache=loaded)
+    assert mx.allclose(a, b, atol=1e-5).item()
+    with pytest.raises(ValueError, match="key_rotation has 2 entries"):
+        vq.make_prompt_cache(model, "tq-4b", key_rotation=["none", "haar"])

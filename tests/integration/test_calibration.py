@@ -185,3 +185,39 @@ def test_prompt_cache_files_remember_their_calibration(skewed, calibration, tmp_
     save_prompt_cache(path, plain)
     with pytest.raises(ValueError, match="saved with no calibration"):
         load_prompt_cache(path, calibration=calibration)
+
+
+def test_calibration_picks_the_key_rotation_of_block_keys(skewed, calibration):
+    """`Calibration.key_rotation`: "none" for a layer whose queries read the channels where its keys vary little
+    (`unrotated_score_error` < `UNROTATED_BELOW` for every KV head), else None; the builder applies it to block
+    keys only (an explicit ``key_rotation`` wins), says so in one line, and the caches code what it says."""
+    import dataclasses
+
+    from veloxquant_mlx.integration.calibration import UNROTATED_BELOW
+    from veloxquant_mlx.quant.channel_weights import unrotated_score_error
+
+    a = dict(calibration.arrays)
+    L, H, d = a["query_power"].shape
+    var = mx.concatenate([mx.full((L, H, d // 2), 4.0), mx.full((L, H, d // 2), 0.01)], axis=-1)
+    reads_quiet = mx.concatenate([mx.full((L, H, d // 2), 0.01), mx.full((L, H, d // 2), 4.0)], axis=-1)
+    # layer 0: the queries read the quiet half; layer 1: every channel alike (a rotation costs nothing there)
+    a["key_variance"] = var
+    a["query_power"] = mx.concatenate([reads_quiet[:1], mx.ones((L - 1, H, d))], axis=0)
+    cal = dataclasses.replace(calibration, arrays=a)
+    errs = [unrotated_score_error(a["query_power"][i], a["key_variance"][i]) for i in range(L)]
+    assert float(errs[0].max()) < UNROTATED_BELOW <= float(errs[1].min())
+    assert [cal.key_rotation(i) for i in range(L)] == ["none"] + [None] * (L - 1)
+    with pytest.raises(ValueError, match="layer must be in"):
+        cal.key_rotation(L)
+
+    builder = vq.KVCacheBuilder("tq-4b", calibration=cal)
+    caches = builder.build(skewed)
+    skewed(mx.array([[(7 * i) % 60 + 1 for i in range(200)]]), cache=caches)
+    assert [c.rows.k_codec.rotation.kind for c in caches] == ["none"] + ["haar"] * (L - 1)
+    assert any("block keys of layer 0 coded in the model's own channels" in n for n in builder.notes)
+    forced = vq.make_prompt_cache(skewed, "tq-4b", calibration=cal, key_rotation="haar")
+    skewed(mx.array([[(7 * i) % 60 + 1 for i in range(200)]]), cache=forced)
+    assert all(c.rows.k_codec.rotation.kind == "haar" for c in forced)
+    # per-token codes keep their rotation whatever the calibration says
+    per_token = vq.make_prompt_cache(skewed, k_bits=4, codec="affine", calibration=cal)
+    assert all(c.options.key_rotation is None for c in per_token)

@@ -52,3 +52,20 @@ def test_is_power_of_two_and_shape_errors():
         channel_weights(mx.ones((2, 4)), mx.ones((2, 5)))
     with pytest.raises(ValueError, match=r"got \(4,\) and \(4,\)"):
         channel_weights(mx.ones((4,)), mx.ones((4,)))
+
+
+def test_unrotated_score_error_compares_the_two_bases():
+    """1 where every channel is alike; below 1 where the queries read the channels whose keys vary little, above
+    where they read the loud ones; (heads, d) both, else ValueError naming them."""
+    import mlx.core as mx
+    import pytest
+
+    from veloxquant_mlx.quant.channel_weights import unrotated_score_error
+
+    flat = unrotated_score_error(mx.ones((2, 8)), mx.full((2, 8), 3.0))
+    assert flat.shape == (2,) and mx.allclose(flat, mx.ones(2)).item()
+    var = mx.array([[4.0] * 4 + [0.01] * 4])
+    quiet, loud = mx.array([[0.01] * 4 + [4.0] * 4]), mx.array([[4.0] * 4 + [0.01] * 4])
+    assert unrotated_score_error(quiet, var).item() < 0.05 < 1.5 < unrotated_score_error(loud, var).item()
+    with pytest.raises(ValueError, match="query_power and key_variance"):
+        unrotated_score_error(mx.ones((2, 8)), mx.ones((2, 4)))

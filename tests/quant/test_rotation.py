@@ -54,3 +54,19 @@ def test_hadamard_support_and_error():
         make_rotation(64, -1)
     with pytest.raises(ValueError, match="last dimension"):
         make_rotation(64, 0).apply(mx.zeros((3, 32)))
+
+
+def test_none_is_the_identity_and_only_for_block_keys():
+    """kind "none" (KEY_ROTATION_KINDS, CacheOptions.key_rotation) leaves vectors as they are; the TurboQuant
+    quantizers, whose codebooks assume rotated coordinates, refuse it."""
+    from veloxquant_mlx.quant.rotation import KEY_ROTATION_KINDS, ROTATION_KINDS
+    from veloxquant_mlx.quant.turboquant_mse import TurboQuantMSE
+
+    assert "none" in KEY_ROTATION_KINDS and "none" not in ROTATION_KINDS
+    rot = make_rotation(48, seed=3, kind="none")
+    x = mx.array(np.random.default_rng(1).standard_normal((2, 5, 48)).astype(np.float16))
+    np.testing.assert_array_equal(np.array(rot.apply(x)), np.array(x.astype(mx.float32)))
+    np.testing.assert_array_equal(np.array(rot.invert(x)), np.array(x.astype(mx.float32)))
+    np.testing.assert_array_equal(np.array(rot.matrix), np.eye(48, dtype=np.float32))
+    with pytest.raises(ValueError, match="rotation"):
+        TurboQuantMSE(48, 4, rotation="none")

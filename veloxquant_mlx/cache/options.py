@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple, Union
 
 from veloxquant_mlx.quant.channel_weights import MAX_LOG2
-from veloxquant_mlx.codecs import codec_layout
+from veloxquant_mlx.codecs import CODECS, codec_layout
 from veloxquant_mlx.compat.config import KVCacheConfig
-from veloxquant_mlx.quant.rotation import ROTATION_KINDS as ROTATIONS
+from veloxquant_mlx.quant.rotation import KEY_ROTATION_KINDS, ROTATION_KINDS as ROTATIONS
 from veloxquant_mlx.validate import check_bool, check_choice, check_int, check_outlier_channels
 
 KINDS = ("packed", "rvq")
@@ -65,6 +65,12 @@ class CacheOptions:
     value_outliers: values get outlier channels too. n_outlier_channels / outlier_bits: key channels coded apart.
     group_size: affine group size (affine codecs; for affine_block also the key block in tokens).
     seed, rotation ("haar" / "hadamard"), jl_dim (QJL sketch length, turboquant_prod only).
+    key_rotation: the keys' rotation where they are coded per channel over blocks of tokens (the block key codecs:
+        affine_block, kblock_*), instead of ``rotation``: "haar", "hadamard" or "none" (the model's own channels);
+        one value, or a tuple with one per layer; None = ``rotation``. A sliding window codes per token and keeps
+        ``rotation``. Without a rotation each channel is coded within its own range over a block: better where
+        the model's key channels differ in scale (Gemma 3's full-attention layers: KL 0.042 -> 0.006 on the
+        Bible at tq-4b's bytes), worse where they do not (SmolLM2); see BENCHMARKS.md, issue 55.
     head_dim: checked against the model's when set (the builder fills it in).
     short_window / short_window_bits: a sliding-window layer (mlx_lm's ``RotatingKVCache``) of at most
         ``short_window`` tokens codes its keys and values at no fewer than ``short_window_bits`` bits (0: no such
@@ -98,6 +104,7 @@ class CacheOptions:
     head_dim: Optional[int] = None
     short_window: int = 0
     short_window_bits: int = 8
+    key_rotation: Union[None, str, Tuple[str, ...]] = None
     calibration_id: Optional[str] = None
     channel_log2: Optional[Tuple[Tuple[Tuple[int, ...], ...], Tuple[Tuple[int, ...], ...]]] = \
         dataclasses.field(default=None, repr=False)
@@ -120,12 +127,31 @@ class CacheOptions:
         for name in ("center_keys", "center_values", "value_outliers"):
             set_(name, check_bool(name, getattr(self, name)))
         check_choice("rotation", self.rotation, ROTATIONS)
+        set_("key_rotation", self._checked_key_rotation(layout))
         self._check_codec_options(layout)
         self._check_channel_weights()
         if self.kind == "rvq" and (self.v_bits is not None or self.sink or self.recent or self.codec != "lloyd_max"
                                    or self.group_size is not None):
             raise ValueError("kind='rvq' keeps values in float16 and has its own RVQ key codec: v_bits, sink, recent, "
                              "codec and group_size do not apply")
+
+    def _checked_key_rotation(self, layout):
+        """``key_rotation``: None, one of `KEY_ROTATION_KINDS`, or one per layer (a tuple, normalised from a list);
+        only for a layout whose keys are coded per channel over blocks."""
+        value = self.key_rotation
+        if value is None:
+            return None
+        if isinstance(value, (list, tuple)):
+            if not value:
+                raise ValueError("key_rotation must be a str or a non-empty list of str (one per layer), got []")
+            value = tuple(check_choice(f"key_rotation[{i}]", v, KEY_ROTATION_KINDS) for i, v in enumerate(value))
+        else:
+            check_choice("key_rotation", value, KEY_ROTATION_KINDS)
+        if not layout.keys.BLOCKED:
+            blocked = tuple(n for n, lay in CODECS.items() if lay.keys.BLOCKED)
+            raise ValueError(f"key_rotation applies to the codecs that code keys per channel over blocks {blocked}, "
+                             f"not codec={self.codec!r}: set key_rotation=None (rotation= sets both)")
+        return value
 
     def _check_channel_weights(self) -> None:
         """``calibration_id`` (a str) and ``channel_log2`` (nested tuples, normalised from lists) come together."""
@@ -181,12 +207,12 @@ class CacheOptions:
     def for_layer(self, layer: int, n_layers: int, head_dim: Optional[int] = None) -> "CacheOptions":
         """The options of layer ``layer``: per-layer bits picked, the model's head_dim filled in."""
         changes: Dict[str, Any] = {}
-        for name in ("k_bits", "v_bits"):
-            bits = getattr(self, name)
-            if isinstance(bits, tuple):
-                if len(bits) != n_layers:
-                    raise ValueError(f"{name} has {len(bits)} entries, but the model has {n_layers} layers")
-                changes[name] = bits[layer]
+        for name in ("k_bits", "v_bits", "key_rotation"):
+            per = getattr(self, name)
+            if isinstance(per, tuple):
+                if len(per) != n_layers:
+                    raise ValueError(f"{name} has {len(per)} entries, but the model has {n_layers} layers")
+                changes[name] = per[layer]
         if head_dim is not None:
             if self.head_dim is not None and self.head_dim != head_dim:
                 raise ValueError(f"head_dim={self.head_dim}, but the model's attention head_dim is {head_dim}")
@@ -201,9 +227,9 @@ class CacheOptions:
 
     def layer_options(self) -> "CacheOptions":
         """These options as one layer's (v_bits resolved); ValueError if bits are still per layer."""
-        if isinstance(self.k_bits, tuple) or isinstance(self.v_bits, tuple):
-            raise ValueError("k_bits / v_bits hold one value per layer: build caches with make_prompt_cache(model, "
-                             "...) or pick a layer with options.for_layer(i, n_layers)")
+        if any(isinstance(getattr(self, n), tuple) for n in ("k_bits", "v_bits", "key_rotation")):
+            raise ValueError("k_bits / v_bits / key_rotation hold one value per layer: build caches with "
+                             "make_prompt_cache(model, ...) or pick a layer with options.for_layer(i, n_layers)")
         return self if self.v_bits is not None else dataclasses.replace(self, v_bits=self.k_bits)
 
     def to_dict(self) -> Dict[str, Any]:
@@ -269,7 +295,8 @@ def _for_dims(options: "CacheOptions", k_dim: int, v_dim: int) -> "CacheOptions"
         method = options.method if options.method in ("turboquant_mse", "turboquant_prod") else "turboquant_mse"
         try:
             candidates.append(dataclasses.replace(options, codec="lloyd_max", method=method, group_size=None,
-                                                  jl_dim=options.jl_dim if method == "turboquant_prod" else None))
+                                                  jl_dim=options.jl_dim if method == "turboquant_prod" else None,
+                                                  key_rotation=None))
         except ValueError:
             pass
     for candidate in candidates:

@@ -23,7 +23,7 @@ from veloxquant_mlx.codecs.common import (PerTokenLayout, clamp_to, f32, finite_
                                            packed_matmul_ok)
 from veloxquant_mlx.codecs._dequant import dequantize
 from veloxquant_mlx.codecs.contract import AffineCodes
-from veloxquant_mlx.quant.rotation import ROTATION_KINDS, make_rotation
+from veloxquant_mlx.quant.rotation import KEY_ROTATION_KINDS, make_rotation
 from veloxquant_mlx.validate import check_bool, check_choice, check_heads, check_int
 
 AFFINE_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize supports
@@ -75,7 +75,7 @@ class AffineRotatedCodec(PerTokenLayout):
             raise ValueError(f"group_size must be one of {AFFINE_GROUP_SIZES} (mx.quantize), got {group_size}")
         if self.GROUPS_ALONG_D and d % group_size:
             raise ValueError(f"d must be a positive multiple of group_size={group_size}, got d={d}")
-        check_choice("rotation", rotation, ROTATION_KINDS)
+        check_choice("rotation", rotation, KEY_ROTATION_KINDS)
         self.center = check_bool("center", center)
         self.scale_dtype_name = check_choice("scale_dtype", scale_dtype, SCALE_DTYPES)
         self.scale_dtype = SCALE_DTYPES[scale_dtype]
@@ -86,10 +86,11 @@ class AffineRotatedCodec(PerTokenLayout):
 
     @classmethod
     def from_options(cls, options, role: str, d: int):
-        """The keys' or values' codec of a cache (keys and values get independent rotations)."""
+        """The keys' or values' codec of a cache (keys and values get independent rotations; the keys' kind is
+        ``options.key_rotation`` when set)."""
         if role == "keys":
-            return cls(d, options.k_bits, options.group_size, seed=options.seed, rotation=options.rotation,
-                       center=options.center_keys)
+            return cls(d, options.k_bits, options.group_size, seed=options.seed,
+                       rotation=options.key_rotation or options.rotation, center=options.center_keys)
         return cls(d, options.v_bits, options.group_size, seed=options.seed + 1000, rotation=options.rotation,
                    center=options.center_values)
 

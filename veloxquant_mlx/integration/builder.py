@@ -102,7 +102,8 @@ class KVCacheBuilder:
         if self._checked is None or self._checked() is not model:
             cal.check_model(model)
             self._checked = weakref.ref(model)
-        return [dataclasses.replace(o, calibration_id=cal.id, channel_log2=cal.layer_log2(i))
+        return [dataclasses.replace(o, calibration_id=cal.id, channel_log2=cal.layer_log2(i),
+                                    key_rotation=_calibrated_key_rotation(o, cal, i))
                 for i, o in enumerate(per_layer)]
 
     def _model_facts(self, model) -> tuple:
@@ -149,6 +150,13 @@ class KVCacheBuilder:
         note = layer_kinds_note(caches)
         if note is not None:
             self.notes.append(note)
+        if self.calibration is not None and self.options.key_rotation is None:
+            unrotated = [i for i, c in enumerate(caches)
+                         if getattr(getattr(c, "options", None), "key_rotation", None) == "none"]
+            if unrotated:
+                self.notes.append(f"calibration: the block keys of layer{'s' if len(unrotated) > 1 else ''} "
+                                  f"{', '.join(map(str, unrotated))} coded in the model's own channels, no rotation "
+                                  "(their queries read channels whose keys vary little)")
         if route_attention and placeholders:
             for cache in caches:
                 if _attends_from_codes(cache):  # one count each, released when collected
@@ -161,6 +169,14 @@ class KVCacheBuilder:
                                          self._convert(c, options, placeholders) for i, c in enumerate(cache.caches)))
         convert = CACHE_KINDS.get(type(cache))
         return cache if convert is None else convert(cache, options, placeholders)  # SSM / arrays: the model's own
+
+
+def _calibrated_key_rotation(options, cal, layer: int):
+    """The options' ``key_rotation`` when set, else the calibration's choice for layer ``layer`` where its keys
+    are coded per channel over blocks (`Calibration.key_rotation`)."""
+    if options.key_rotation is not None or options.kind != "packed" or not codec_layout(options.codec).keys.BLOCKED:
+        return options.key_rotation
+    return cal.key_rotation(layer)
 
 
 def _full_attention(cache, options, placeholders: bool):
@@ -181,8 +197,9 @@ def _window_options(options, keep: int, what: str, max_size: Optional[int] = Non
         floor = options.short_window_bits
         changes.update(k_bits=max(options.k_bits, floor), v_bits=max(options.value_bits, floor))
     if codec_layout(options.codec).keys.BLOCKED:  # block keys cannot be evicted a token at a time
-        # a block codec's group_size is its key block in tokens, not a per-token group of coordinates
-        changes.update(codec="affine", group_size=None)
+        # a block codec's group_size is its key block in tokens, not a per-token group of coordinates; per-token
+        # codes keep the rotation (key_rotation is the block keys')
+        changes.update(codec="affine", group_size=None, key_rotation=None)
     return dataclasses.replace(options, **changes)
 
 

@@ -21,10 +21,15 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from veloxquant_mlx._version import __version__
-from veloxquant_mlx.quant.channel_weights import is_power_of_two
+from veloxquant_mlx.quant.channel_weights import is_power_of_two, unrotated_score_error
 from veloxquant_mlx.integration.model_shape import model_kv_shape
 
 FORMAT = 1
+# A layer whose block keys are better coded without a rotation: `unrotated_score_error` below this for every KV head.
+# Measured (issue 55, BENCHMARKS.md): Gemma 3 270M's full-attention layers 0.06-0.20, where keys without the rotation
+# cut tq-4b's KL on the Bible 7x (0.042 -> 0.006); SmolLM2-135M's layers 0.59-1.93, where they raise it (0.022 ->
+# 0.028 on the Debian text): a rotation also evens out heavy-tailed channels, which the prediction leaves out.
+UNROTATED_BELOW = 0.5
 META_KEY = "veloxquant_calibration"
 SUFFIX = ".safetensors"
 WEIGHTS = ("key_weights", "value_weights")
@@ -105,6 +110,14 @@ class Calibration:
         """Layer ``layer``'s weights as ``CacheOptions.channel_log2``: (keys, values), each heads x head_dim ints."""
         return tuple(tuple(tuple(int(e) for e in row) for row in np.log2(np.array(w)).round().astype(int).tolist())
                      for w in self.layer_weights(layer))
+
+    def key_rotation(self, layer: int) -> Optional[str]:
+        """``"none"`` when layer ``layer``'s keys, coded per channel over blocks, measure better in the model's own
+        channels (`unrotated_score_error` < `UNROTATED_BELOW` for every KV head), else None (the options' own)."""
+        if not 0 <= layer < self.layers:
+            raise ValueError(f"layer must be in [0, {self.layers}), got {layer}")
+        err = unrotated_score_error(self.arrays["query_power"][layer], self.arrays["key_variance"][layer])
+        return "none" if bool(mx.all(err < UNROTATED_BELOW).item()) else None
 
     def check_model(self, model) -> None:
         """ValueError naming both models unless ``model`` is the one this calibration was measured on."""

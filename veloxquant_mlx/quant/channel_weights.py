@@ -35,6 +35,20 @@ def channel_weights(importance: mx.array, energy: mx.array, power: float = 0.25)
     return mx.power(2.0, mx.round(mx.clip(log_w, -MAX_LOG2, MAX_LOG2)))
 
 
+def unrotated_score_error(query_power: mx.array, key_variance: mx.array) -> mx.array:
+    """``(heads,)``: the attention-score error of keys coded per channel in the model's own channels, relative to
+    the same codes after a random rotation, predicted from ``(heads, d)`` second moments. A rotation spreads every
+    channel's coding error evenly, so the error of ``q . k`` goes as ``sum(E[q^2]) * sum(var) / d``; without one
+    each channel keeps its own, ``sum(E[q_c^2] * var_c)``. Below 1: the queries read mostly channels whose keys
+    vary little, and a rotation would pour the other channels' error into them."""
+    if query_power.shape != key_variance.shape or query_power.ndim != 2:
+        raise ValueError(f"query_power and key_variance must both be (heads, d), got {tuple(query_power.shape)} "
+                         f"and {tuple(key_variance.shape)}")
+    qp, kv = query_power.astype(mx.float32), key_variance.astype(mx.float32)
+    d = qp.shape[-1]
+    return d * (qp * kv).sum(axis=-1) / mx.maximum(qp.sum(axis=-1) * kv.sum(axis=-1), TINY)
+
+
 def is_power_of_two(w: mx.array) -> bool:
     """Whether every entry of ``w`` is a finite power of two within the clipping range."""
     lw = mx.log2(w.astype(mx.float32))

@@ -7,6 +7,9 @@ MLX's RNG, so one seed gives the same rotation on every machine.
   exactly Haar distributed (plain QR is biased). Any d >= 1.
 - Hadamard: Pi = H D / sqrt(d) with D a random ±1 diagonal and H the Hadamard matrix that
   ``mx.hadamard_transform`` applies. MLX supports d = m * 2^k with m in (1, 12, 20, 28).
+- None (`KEY_ROTATION_KINDS` only): Pi = I, the model's own channels. For keys coded per channel over blocks of
+  tokens, where a model's channels differ in scale and a rotation would spread one channel's error over all of
+  them (Gemma 3's full-attention keys: BENCHMARKS.md, issue 55); the Lloyd-Max codebooks need the rotation.
 """
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ import numpy as np
 from veloxquant_mlx.validate import check_int
 
 ROTATION_KINDS = ("haar", "hadamard")
+# what the per-channel block key codecs also take (CacheOptions.key_rotation): "none" = the identity
+KEY_ROTATION_KINDS = ROTATION_KINDS + ("none",)
 _HADAMARD_BASES = (1, 12, 20, 28)
 
 # Distinct sub-streams of one seed (SeedSequence entropy [seed, tag]), so Haar / Hadamard / QJL draws
@@ -81,10 +86,12 @@ class Rotation:
 
     def __init__(self, d: int, seed: int = 0, kind: str = "haar"):
         _check_d_seed(d, seed)
-        if kind not in ROTATION_KINDS:
-            raise ValueError(f"rotation kind must be one of {ROTATION_KINDS}, got {kind!r}")
+        if kind not in KEY_ROTATION_KINDS:
+            raise ValueError(f"rotation kind must be one of {KEY_ROTATION_KINDS}, got {kind!r}")
         self.d, self.seed, self.kind = int(d), int(seed), kind
-        if kind == "haar":
+        if kind == "none":
+            self._matrix = mx.eye(self.d, dtype=mx.float32)
+        elif kind == "haar":
             pi = haar_rotation(self.d, self.seed)
             self._matrix = pi
             self._pi_t = mx.contiguous(pi.T)
@@ -126,6 +133,8 @@ class Rotation:
         self._check(x, "x")
         if x.dtype != mx.float32:  # (skipped when already float32: decode calls this twice per layer)
             x = x.astype(mx.float32)
+        if self.kind == "none":
+            return x
         if self.kind == "haar":
             return x @ self._pi_t
         return mx.hadamard_transform(x * self.signs, scale=self._scale)
@@ -136,6 +145,8 @@ class Rotation:
         self._check(y, "y")
         if y.dtype != mx.float32:
             y = y.astype(mx.float32)
+        if self.kind == "none":
+            return y
         if self.kind == "haar":
             return y @ self._matrix
         if self._symmetric:
@@ -147,14 +158,14 @@ class Rotation:
 
 
 def make_rotation(d: int, seed: int = 0, kind: str = "haar") -> Rotation:
-    """The seeded rotation of ``kind`` ("haar" or "hadamard") for dimension d.
+    """The seeded rotation of ``kind`` ("haar", "hadamard", or "none": the identity) for dimension d.
 
     One object per (d, seed, kind) in the process: every layer of a cache uses the same seeds, and a
     rotation is immutable, so 30 layers hold one matrix instead of 30 (they are not stored bytes).
     """
     _check_d_seed(d, seed)
-    if kind not in ROTATION_KINDS:
-        raise ValueError(f"rotation kind must be one of {ROTATION_KINDS}, got {kind!r}")
+    if kind not in KEY_ROTATION_KINDS:
+        raise ValueError(f"rotation kind must be one of {KEY_ROTATION_KINDS}, got {kind!r}")
     return _shared_rotation(int(d), int(seed), kind)
 
 
