@@ -14,6 +14,7 @@ import json
 import os
 import uuid
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Dict, Optional, Tuple
 
 import mlx.core as mx
@@ -116,8 +117,14 @@ class Calibration:
         channels (`unrotated_score_error` < `UNROTATED_BELOW` for every KV head), else None (the options' own)."""
         if not 0 <= layer < self.layers:
             raise ValueError(f"layer must be in [0, {self.layers}), got {layer}")
-        err = unrotated_score_error(self.arrays["query_power"][layer], self.arrays["key_variance"][layer])
-        return "none" if bool(mx.all(err < UNROTATED_BELOW).item()) else None
+        return self._key_rotations[layer]
+
+    @cached_property
+    def _key_rotations(self) -> Tuple[Optional[str], ...]:
+        # every layer in one evaluation, once: the builder asks per layer for every request a server builds
+        qp, kv = self.arrays["query_power"], self.arrays["key_variance"]
+        below = mx.stack([mx.all(unrotated_score_error(qp[i], kv[i]) < UNROTATED_BELOW) for i in range(self.layers)])
+        return tuple("none" if b else None for b in below.tolist())
 
     def check_model(self, model) -> None:
         """ValueError naming both models unless ``model`` is the one this calibration was measured on."""
