@@ -27,9 +27,10 @@ from veloxquant_mlx.integration.model_shape import model_kv_shape
 
 FORMAT = 1
 # A layer whose block keys are better coded without a rotation: `unrotated_score_error` below this for every KV head.
-# Measured (issue 55, BENCHMARKS.md): Gemma 3 270M's full-attention layers 0.06-0.20, where keys without the rotation
-# cut tq-4b's KL on the Bible 7x (0.042 -> 0.006); SmolLM2-135M's layers 0.59-1.93, where they raise it (0.022 ->
-# 0.028 on the Debian text): a rotation also evens out heavy-tailed channels, which the prediction leaves out.
+# Measured (issue 55, BENCHMARKS.md): Gemma 3 270M's full-attention layers 0.07-0.24 (its window layers >= 0.61), where
+# keys without the rotation cut tq-4b's KL on the Bible 7x (0.042 -> 0.006); SmolLM2-135M's layers >= 0.71, where they
+# raise it (0.022 -> 0.028 on the Debian text): a rotation also evens out heavy-tailed channels, which the prediction
+# leaves out.
 UNROTATED_BELOW = 0.5
 META_KEY = "veloxquant_calibration"
 SUFFIX = ".safetensors"
