@@ -157,6 +157,10 @@ OURS = {
     **{f"tq{b}-kr0": _budget_variant(b, key_rotation="none") for b in (4, 3, 2)},
     **{f"tq{b}-sw-kr0": _budget_variant(b, short_window=1024, key_rotation="none") for b in (4, 3, 2)},
     "tq-affine-k8v4-kr0": _preset_variant("tq-affine-k8v4", key_rotation="none"),
+    # The newest tokens kept exact: every layer (CacheOptions.recent, "-r"), the sliding-window layers only
+    # (CacheOptions.window_recent, "-wr"): local attention reads mostly its newest keys.
+    **{f"tq4-r{r}": _budget_variant(4, recent=r) for r in (8, 16)},
+    **{f"tq{b}-wr{r}": _budget_variant(b, window_recent=r) for b in (4, 3, 2) for r in (8, 16, 32)},
     # The seed's cache: two b-bit RVQ key streams, float16 values.
     "seed-rvq-b1": dict(kind="rvq", k_bits=1),
     "seed-rvq-b2": dict(kind="rvq", k_bits=2),

@@ -74,7 +74,12 @@ def make_specs(names, calibration=None):
     specs = []
     for name in names:
         preset, plus, lever = name.partition("+")
-        if plus:
+        if "@" in name and name.rpartition("@")[2] in LAYER_BITS:  # issue 55: 8 bits on one layer kind
+            inner, _, lever = name.rpartition("@")
+            cal = calibration if inner.endswith("+cal") else None
+            specs.append(_layer_bits_spec(name, make_specs([inner], calibration)[0], *LAYER_BITS[lever],
+                                          calibration=cal))
+        elif plus:
             if lever != "cal" or (preset not in CONFIGURATIONS and preset not in OURS):
                 raise SystemExit(f"unknown config {name!r}: '+cal' follows a registered configuration "
                                  f"({', '.join(CONFIGURATIONS)}) or a research one")
@@ -86,9 +91,6 @@ def make_specs(names, calibration=None):
         elif name.partition(":")[0] in LAYER_KINDS and ":" in name:  # issue 55: one layer kind coded
             kind, _, inner = name.partition(":")
             specs.append(_layer_kind_spec(name, make_specs([inner], calibration)[0], kind))
-        elif "@" in name and name.rpartition("@")[2] in LAYER_BITS:  # issue 55: 8 bits on one layer kind
-            inner, _, lever = name.rpartition("@")
-            specs.append(_layer_bits_spec(name, make_specs([inner], calibration)[0], *LAYER_BITS[lever]))
         elif name.split("-", 1)[0] in PROBES and "-" in name:  # issue 47's key probes (benchmarks/_prerope.py)
             prefix, inner = name.split("-", 1)
             specs.append(_pre_rope_spec(name, make_specs([inner], calibration)[0], *PROBES[prefix]))
@@ -134,9 +136,9 @@ def _layer_kind_spec(name, spec, kind):
     return CacheSpec(name, make, spec.family, None, f"{spec.description}; on the {what} layers only (probe)")
 
 
-def _layer_bits_spec(name, spec, kind, k_bits=None, v_bits=None):
+def _layer_bits_spec(name, spec, kind, k_bits=None, v_bits=None, calibration=None):
     """``spec`` (one of ours, bits not per layer) with ``k_bits`` / ``v_bits`` on the window (``kind`` "win") or
-    the full-attention ("glob") layers only."""
+    the full-attention ("glob") layers only (``NAME+cal@wk8``: with ``calibration``)."""
     o = spec.options
     if o is None or isinstance(o.k_bits, tuple) or isinstance(o.v_bits, tuple):
         raise SystemExit(f"{name!r}: @{'/@'.join(LAYER_BITS)} take one of our configurations with one bit width")
@@ -146,7 +148,7 @@ def _layer_bits_spec(name, spec, kind, k_bits=None, v_bits=None):
         per = {}
         for field, bits, own in (("k_bits", k_bits, o.k_bits), ("v_bits", v_bits, o.value_bits)):
             per[field] = tuple(bits if (c and bits is not None) else own for c in chosen)
-        return vq.make_prompt_cache(model, dataclasses.replace(o, **per))
+        return vq.make_prompt_cache(model, dataclasses.replace(o, **per), calibration=calibration)
 
     what = "window" if kind == "win" else "full-attention"
     return CacheSpec(name, make, spec.family, None,

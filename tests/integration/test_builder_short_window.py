@@ -59,3 +59,36 @@ def dataclasses_replace(options, **changes):
     import dataclasses
 
     return dataclasses.replace(options, **changes)
+
+
+def test_windows_keep_their_newest_tokens_exact(tiny_model):
+    """`CacheOptions.window_recent`: window layers keep that many newest tokens exact (at least ``recent``), the
+    full-attention layers keep ``recent``; what attention reads of a window ends with those tokens as they came."""
+    import mlx.core as mx
+
+    mixed = (vq.make_prompt_cache(tiny_model, "tq-4b", window_recent=6)[:1]
+             + vq.make_prompt_cache(tiny_model, "tq-4b", window_recent=6, max_kv_size=64)[1:])
+    assert [c.options.recent for c in mixed] == [0] + [6] * (len(mixed) - 1)
+    assert "sliding window of 64 tokens: codec 'affine', keys 4 / values 4 bits, sink 1, newest 6 exact" \
+        in layer_kinds_note(mixed)
+    both = vq.make_prompt_cache(tiny_model, "tq-4b", recent=8, window_recent=6, max_kv_size=64)
+    assert {c.options.recent for c in both} == {8}  # never fewer than `recent`
+    window = mixed[1]
+    k = mx.random.normal((1, 1, 100, 64), key=mx.random.key(1))
+    v = mx.random.normal((1, 1, 100, 64), key=mx.random.key(2))
+    from veloxquant_mlx.attention import hook
+
+    active = hook.is_active()
+    hook.set_active(False)  # fed directly, not through a model's attention
+    try:
+        window.update_and_fetch(k[:, :, :90], v[:, :, :90])
+        for t in range(90, 100):  # decode steps
+            window.update_and_fetch(k[:, :, t:t + 1], v[:, :, t:t + 1])
+    finally:
+        hook.set_active(active)
+    last = window.rows.attention_parts()[-1]
+    assert last.keys.shape[2] >= 6
+    assert mx.array_equal(last.keys[..., -6:, :], k[:, :, -6:].astype(last.keys.dtype)).item()
+    assert mx.array_equal(last.values[..., -6:, :], v[:, :, -6:].astype(last.values.dtype)).item()
+    with pytest.raises(ValueError, match="window_recent"):
+        CacheOptions(window_recent=-1)

@@ -77,6 +77,9 @@ class CacheOptions:
         rule). Such a layer holds that many tokens whatever the context, so its bits cost a bounded amount of memory
         while its error counts at every position (Gemma 3's 512-token window layers: BENCHMARKS.md, issue 55);
         full-attention layers are untouched.
+    window_recent: a sliding-window (or chunked) layer keeps its newest ``window_recent`` tokens exact (at least
+        ``recent``): local attention reads mostly its newest keys, so their error weighs most (Gemma 3's windows,
+        BENCHMARKS.md, issue 55). Full-attention layers keep ``recent``.
     calibration_id / channel_log2: one layer's static channel weights from a `veloxquant_mlx.Calibration` (the
         builder fills them in from ``calibration=``): ``channel_log2`` = (keys, values), each ``heads`` tuples of
         ``head_dim`` ints in [-3, 3]; keys and values are stored times ``2**channel_log2`` (exact in floating point),
@@ -104,6 +107,7 @@ class CacheOptions:
     head_dim: Optional[int] = None
     short_window: int = 0
     short_window_bits: int = 8
+    window_recent: int = 0
     key_rotation: Union[None, str, Tuple[str, ...]] = None
     calibration_id: Optional[str] = None
     channel_log2: Optional[Tuple[Tuple[Tuple[int, ...], ...], Tuple[Tuple[int, ...], ...]]] = \
@@ -117,7 +121,7 @@ class CacheOptions:
         set_("k_bits", _check_bits("k_bits", self.k_bits, layout.keys.BITS))
         set_("v_bits", _check_bits("v_bits", self.v_bits, layout.values.BITS, optional=True))
         for name, lo in (("sink", 0), ("recent", 0), ("trim_headroom", 0), ("seed", 0), ("n_outlier_channels", 0),
-                         ("short_window", 0)):
+                         ("short_window", 0), ("window_recent", 0)):
             set_(name, check_int(name, getattr(self, name), lo))
         set_("outlier_bits", check_int("outlier_bits", self.outlier_bits, 1, 8))
         set_("short_window_bits", check_int("short_window_bits", self.short_window_bits, 1, 8))

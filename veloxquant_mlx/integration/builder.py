@@ -189,10 +189,11 @@ def _full_attention(cache, options, placeholders: bool):
 def _window_options(options, keep: int, what: str, max_size: Optional[int] = None):
     """A window's options: a per-token layout (a window evicts single tokens), exact sink tokens only within
     ``keep`` (never evicted); a sliding window of at most ``options.short_window`` tokens (``max_size``) codes keys
-    and values at no fewer than ``options.short_window_bits`` bits (its memory is bounded whatever the context)."""
+    and values at no fewer than ``options.short_window_bits`` bits (its memory is bounded whatever the context); the
+    newest ``options.window_recent`` tokens stay exact."""
     if options.kind == "rvq":
         raise ValueError(f"kind='rvq' has no sliding-window variant; this model has {what} layers: use kind='packed'")
-    changes = {"sink": min(options.sink, keep)}
+    changes = {"sink": min(options.sink, keep), "recent": max(options.recent, options.window_recent)}
     if max_size is not None and max_size <= options.short_window:
         floor = options.short_window_bits
         changes.update(k_bits=max(options.k_bits, floor), v_bits=max(options.value_bits, floor))
@@ -288,7 +289,8 @@ def _layer_summary(cache) -> Optional[str]:
             codec = o.for_dims(o.head_dim, o.head_dim).codec
         except ValueError:
             pass
-    return f"{kind}: codec {codec!r}, keys {o.k_bits} / values {o.value_bits} bits, sink {o.sink}"
+    recent = f", newest {o.recent} exact" if o.recent else ""
+    return f"{kind}: codec {codec!r}, keys {o.k_bits} / values {o.value_bits} bits, sink {o.sink}{recent}"
 
 
 def layer_kinds_note(caches) -> Optional[str]:
