@@ -24,8 +24,9 @@ def _tail_layout(extra: int) -> str:
 
 
 def _budget_variant(bits: int, **changes) -> dict:
-    """tq-{bits}b's options with ``changes`` (as make_prompt_cache keywords)."""
-    return _preset_variant(f"tq-{bits}b", **changes)
+    """tq-{bits}b's options with ``changes`` (as make_prompt_cache keywords), on the budget as issue 55's variants
+    were measured: windows without the presets' later window rule (``window_recent`` / ``window_k_bits`` 0)."""
+    return _preset_variant(f"tq-{bits}b", **{"window_recent": 0, "window_k_bits": 0, **changes})
 
 
 def _preset_variant(name: str, **changes) -> dict:

@@ -1,6 +1,6 @@
 """The tables and the plot of ``benchmarks/quality.py``: the bit budgets (`BUDGETS`) and each row's verdict, the
-text table printed after a run, the markdown written by ``--markdown`` (BENCHMARKS.md section) and the PNG written
-by ``--plot``.
+text table printed after a run, the markdown written by ``--markdown`` (BENCHMARKS.md section), the PNG written
+by ``--plot`` and the merge of saved runs (``--from-json``).
 
 ``quality.py`` imports them (``from _quality_tables import ...``: the script's folder is first on ``sys.path``); the
 names are used there. Standard library only at
@@ -8,6 +8,7 @@ module level (``plot`` imports matplotlib when called).
 """
 from __future__ import annotations
 
+import json
 import os
 
 BUDGETS = (  # (bits, max dppl %, max KL or None, needle misses allowed: 9/9 -> 0, >= 8/9 -> 1)
@@ -163,3 +164,47 @@ def plot(results, path):
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _without(run, names):
+    """``run`` without the configs ``names`` (their rows, bits, descriptions and passkey results)."""
+    names = set(names)
+    run = json.loads(json.dumps(run))
+    for key in ("configs", "bits"):
+        for n in names & set(run.get(key) or {}):
+            del run[key][n]
+    for per in run["corpora"].values():
+        for rows in per["ppl"].values():
+            for n in names & set(rows):
+                del rows[n]
+    for n in names & set((run.get("needle") or {}).get("results", {})):
+        del run["needle"]["results"][n]
+    return run
+
+
+def merge(runs, drop=()):
+    """Several saved runs as one: their contexts and passkey results side by side (later runs win). ``drop``:
+    configs whose definition changed after the earlier runs: only the last run's rows of them are kept."""
+    runs = [_without(r, drop) for r in runs[:-1]] + runs[-1:] if drop else runs
+    out = {"model": runs[0]["model"], "command": " ; ".join(r.get("command", "") for r in runs), "configs": {},
+           "corpora": {}, "needle": None}
+    for r in runs:
+        out["configs"].update(r["configs"])
+        out.setdefault("bits", {}).update(r.get("bits") or {})
+        for corpus, per in r["corpora"].items():
+            dst = out["corpora"].setdefault(corpus, {"tokens": per["tokens"], "ppl": {}})
+            for ctx, rows in per["ppl"].items():
+                dst["ppl"].setdefault(ctx, {}).update(rows)
+        if r.get("calibration"):
+            if out.get("calibration", r["calibration"])["id"] != r["calibration"]["id"]:
+                raise SystemExit("--from-json: the runs used different calibrations; merge runs of one calibration")
+            out["calibration"] = r["calibration"]
+        if r.get("needle"):
+            if out["needle"] is None:
+                out["needle"] = {"corpus": r["needle"]["corpus"], "lengths": [], "results": {}}
+            out["needle"]["lengths"] = sorted(set(out["needle"]["lengths"]) | set(r["needle"]["lengths"]))
+            for name, n in r["needle"]["results"].items():  # the same config at other lengths: add the cases up
+                acc = out["needle"]["results"].setdefault(name, {"passed": 0, "total": 0})
+                acc["passed"] += n["passed"]
+                acc["total"] += n["total"]
+    return out

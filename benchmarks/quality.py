@@ -16,7 +16,8 @@ needle (passkey) test. Each row says which bit budget it fits and whether it mee
 Issue 55's layer-kind probes, for models with sliding-window layers (Gemma 3): ``win:NAME`` / ``glob:NAME`` code
 only the window (``RotatingKVCache``) / only the full-attention layers with NAME's caches, mlx_lm's own caches on
 the others; ``NAME@wk8`` / ``NAME@wv8`` / ``NAME@wkv8``: NAME with 8-bit keys / values / both on the window layers
-only (per-layer bits), ``NAME@gk8`` / ``@gv8`` / ``@gkv8`` the same on the full-attention layers::
+only (per-layer bits; 3 to 6 bits too: ``@wk5``, ``@wkv6``), ``NAME@gk8`` / ``@gv8`` / ``@gkv8`` the same on the
+full-attention layers::
 
     python benchmarks/quality.py --model gemma3-270m --contexts 2048 --windows 1 --bits-lengths 2048,8192 \
         --configs kv,mlx-q8,win:tq-affine-k8v4,glob:tq-affine-k8v4,tq-affine-k8v4@wv8
@@ -62,7 +63,7 @@ from veloxquant_mlx.apps.models.loader import load_model  # noqa: E402
 from _quality_configs import OURS  # noqa: E402
 from _prerope import pre_rope_caches  # noqa: E402
 # The tables and the plot written after a run live in _quality_tables.py.
-from _quality_tables import markdown, plot, text_table  # noqa: E402
+from _quality_tables import markdown, merge, plot, text_table  # noqa: E402
 
 DEFAULT = "kv,mlx-q4,mlx-q2,k4v4,k5v3,k5v3-o8,k4v3-o8,k4v2-o8,k3v2-o8,k3v1-o8,seed-rvq-b1,seed-rvq-b2,seed-rvq-b3"
 
@@ -74,7 +75,7 @@ def make_specs(names, calibration=None):
     specs = []
     for name in names:
         preset, plus, lever = name.partition("+")
-        if "@" in name and name.rpartition("@")[2] in LAYER_BITS:  # issue 55: 8 bits on one layer kind
+        if "@" in name and name.rpartition("@")[2] in LAYER_BITS:  # issue 55: more bits on one layer kind
             inner, _, lever = name.rpartition("@")
             cal = calibration if inner.endswith("+cal") else None
             specs.append(_layer_bits_spec(name, make_specs([inner], calibration)[0], *LAYER_BITS[lever],
@@ -112,9 +113,9 @@ def make_specs(names, calibration=None):
 # Issue 55's probes of models with sliding-window layers: which layers a configuration codes, and 8 bits on the
 # window layers. A layer is a window layer when the model's own cache for it is mlx_lm's RotatingKVCache.
 LAYER_KINDS = ("win", "glob")
-# lever -> (layer kind, key bits, value bits): 8 bits on the window (w) or full-attention (g) layers only
-LAYER_BITS = {"wk8": ("win", 8, None), "wv8": ("win", None, 8), "wkv8": ("win", 8, 8),
-              "gk8": ("glob", 8, None), "gv8": ("glob", None, 8), "gkv8": ("glob", 8, 8)}
+# lever -> (layer kind, key bits, value bits): 3 to 8 bits on the window (w) or full-attention (g) layers only
+LAYER_BITS = {f"{w}{s}{b}": ("win" if w == "w" else "glob", b if "k" in s else None, b if "v" in s else None)
+              for w in "wg" for s in ("k", "v", "kv") for b in (3, 4, 5, 6, 8)}
 
 
 def _window_layers(model):
@@ -205,10 +206,14 @@ def main(argv=None):
                     help="no run: write --markdown / --plot from saved --out files (comma list, merged in order); "
                          "with --merged-out, the merged JSON too")
     ap.add_argument("--merged-out", default=None, help="--from-json: write the merged runs as one JSON here")
+    ap.add_argument("--drop", default="",
+                    help="--from-json: configs whose definition changed since (comma list): their rows in every file "
+                         "but the last are left out")
     args = ap.parse_args(argv)
 
     if args.from_json:
-        results = merge([json.load(open(path)) for path in args.from_json.split(",")])
+        runs = [json.load(open(path)) for path in args.from_json.split(",")]
+        results = merge(runs, drop=[n for n in args.drop.split(",") if n])
         if args.merged_out:
             save(args.merged_out, results)
             print(f"wrote {args.merged_out}", file=sys.stderr)
@@ -317,32 +322,6 @@ def _calibration(path, model, tokenizer):
     print(f"[calibrated on {cal.text['tokens']} tokens ({cal.text['description']}) in {time.time() - t0:.0f} s: "
           f"{path}]", file=sys.stderr)
     return cal
-
-
-def merge(runs):
-    """Several saved runs as one: their contexts and passkey results side by side (later runs win)."""
-    out = {"model": runs[0]["model"], "command": " ; ".join(r.get("command", "") for r in runs), "configs": {},
-           "corpora": {}, "needle": None}
-    for r in runs:
-        out["configs"].update(r["configs"])
-        out.setdefault("bits", {}).update(r.get("bits") or {})
-        for corpus, per in r["corpora"].items():
-            dst = out["corpora"].setdefault(corpus, {"tokens": per["tokens"], "ppl": {}})
-            for ctx, rows in per["ppl"].items():
-                dst["ppl"].setdefault(ctx, {}).update(rows)
-        if r.get("calibration"):
-            if out.get("calibration", r["calibration"])["id"] != r["calibration"]["id"]:
-                raise SystemExit("--from-json: the runs used different calibrations; merge runs of one calibration")
-            out["calibration"] = r["calibration"]
-        if r.get("needle"):
-            if out["needle"] is None:
-                out["needle"] = {"corpus": r["needle"]["corpus"], "lengths": [], "results": {}}
-            out["needle"]["lengths"] = sorted(set(out["needle"]["lengths"]) | set(r["needle"]["lengths"]))
-            for name, n in r["needle"]["results"].items():  # the same config at other lengths: add the cases up
-                acc = out["needle"]["results"].setdefault(name, {"passed": 0, "total": 0})
-                acc["passed"] += n["passed"]
-                acc["total"] += n["total"]
-    return out
 
 
 def save(path, results):

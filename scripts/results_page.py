@@ -156,7 +156,7 @@ def bits_at(name: str, tokens: int = BITS_AT) -> Optional[float]:
 def gemma_rows(quality: Optional[dict], lc: Optional[dict]) -> Tuple[List[str], List[List[str]]]:
     """The README's second table: a model with sliding windows (Gemma 3 270M) at 2048 / 8192 tokens (KL per corpus,
     bits) and at the longest length of long_context.json (KV bytes, paired decode and unpaired prefill ratios)."""
-    names = [PLAIN, "mlx-q8", DEFAULT_NAME] + [b for b in BUDGETS if b == "tq-4b"]
+    names = [PLAIN, "mlx-q8", DEFAULT_NAME] + [b for b in BUDGETS if b == "tq-4b"] + ["tq-4b+cal"]
     head, rows = ["cache"], {n: [] for n in names}
     if quality:
         ctxs = sorted({c for per in quality.get("corpora", {}).values() for c in per.get("ppl", {})}, key=int)
@@ -183,7 +183,8 @@ def gemma_rows(quality: Optional[dict], lc: Optional[dict]) -> Tuple[List[str], 
             rows[n] += (["-"] * 3 if r is None else
                         [f"{r['cache_bytes'] / 2**20:.1f}", _f(None if ratio is None else ratio[0], ".2f", "-"),
                          f"{base['prefill_s'] / r['prefill_s']:.2f}"])
-    label = {PLAIN: "mlx_lm plain", "mlx-q8": "mlx_lm 8-bit", DEFAULT_NAME: f"`{DEFAULT_NAME}` (default)"}
+    label = {PLAIN: "mlx_lm plain", "mlx-q8": "mlx_lm 8-bit", DEFAULT_NAME: f"`{DEFAULT_NAME}` (default)",
+             "tq-4b+cal": "`tq-4b` calibrated"}
     return head, [[label.get(n, f"`{n}`")] + rows[n] for n in names if any(x != "-" for x in rows[n])]
 
 

@@ -66,3 +66,25 @@ def mask_for(kind, B, Hq, L, N, seed=0):
 
 def assert_close(out, ref):
     np.testing.assert_allclose(np.array(out), np.array(ref), rtol=1e-3, atol=1e-4)
+
+
+def banded_sdpa_reference(cache, q, keys, values, scale, mask):
+    """SDPA on the decoded history ``(B, H, N, d)``, where a chunk's query reads each of its ``recent`` newest keys
+    from the exact copies the cache took of the chunk (``_band``: the history's last M tokens), as decoding the
+    tokens one at a time would have had them."""
+    band, L, N = getattr(cache, "_band", None), q.shape[2], keys.shape[2]
+    if band is None or L == 1 or not cache.rows.options.recent:
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+    bk, bv = (mx.concatenate([b[j] for b in band], axis=0).astype(mx.float32) for j in (0, 1))  # rows in lockstep
+    M, R = bk.shape[2], q.shape[1] // keys.shape[1]
+    rep = lambda x: mx.repeat(x, R, axis=1)  # noqa: E731  (B, Hq, n, d)
+    q_pos, k_pos = mx.arange(N - L, N)[:, None], mx.arange(N)[None, :]
+    from_copy = (k_pos >= N - M) & (q_pos - k_pos < cache.rows.options.recent)  # (L, N)
+    pad = lambda x: mx.concatenate([mx.zeros(x.shape[:2] + (N - M, x.shape[3])), x], axis=2)  # noqa: E731
+    s_dec, s_copy = (rep(k) @ mx.swapaxes(q, -1, -2) for k in (keys, pad(bk)))  # (B, Hq, N, L)
+    s = mx.where(from_copy, mx.swapaxes(s_copy, -1, -2), mx.swapaxes(s_dec, -1, -2)) * scale  # (B, Hq, L, N)
+    visible = q_pos >= k_pos if isinstance(mask, str) else (mask if mask is not None else None)
+    if visible is not None:
+        s = mx.where(visible, s, -mx.inf) if visible.dtype == mx.bool_ else s + visible
+    w = mx.softmax(s, axis=-1)
+    return (w * ~from_copy) @ rep(values) + (w * from_copy) @ rep(pad(bv))

@@ -12,7 +12,7 @@ from mlx_lm.models.base import create_causal_mask
 from veloxquant_mlx.cache import _face
 from veloxquant_mlx.cache.options import CacheOptions
 from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache
-from _packed_attention_helpers import D, rand, assert_close
+from _packed_attention_helpers import D, assert_close, banded_sdpa_reference, rand
 
 
 # -- attend_packed: attention on a real packed cache's buffers equals attention on what it fetches ----------------
@@ -28,7 +28,7 @@ def test_attend_packed_matches_fetch():
         q = rand((1, 6, T, D), 30 + step)
         mask = "causal" if T > 1 else None
         out = cache.attend_packed(q, 0.125, mask)
-        ref = mx.fast.scaled_dot_product_attention(q, hist[0], hist[1], scale=0.125, mask=mask)
+        ref = banded_sdpa_reference(cache, q, hist[0], hist[1], 0.125, mask)  # (a chunk reads its newest exact)
         assert_close(out, ref)
     kinds = [type(p).__name__ for p in cache.attention_parts()]
     # sink, codes, (tail tokens the cache reads as coded, if any), exact recent window
@@ -48,7 +48,7 @@ def test_attend_packed_of_rotating_cache_matches_fetch():
         q = rand((1, 4, T, D), 60 + step)
         out = cache.attend_packed(q, 0.125, mask)
         ref_mask = create_causal_mask(T, hist[0].shape[2] - T) if isinstance(mask, str) else mask
-        ref = mx.fast.scaled_dot_product_attention(q, hist[0], hist[1], scale=0.125, mask=ref_mask)
+        ref = banded_sdpa_reference(cache, q, hist[0], hist[1], 0.125, ref_mask)
         assert_close(out, ref)
     assert cache.n_coded > 0
 

@@ -28,6 +28,7 @@ from veloxquant_mlx.integration.builder import make_prompt_cache
 from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache, TurboQuantRotatingPackedCache
 from veloxquant_mlx.cache.prompt_cache_io import load_prompt_cache, save_prompt_cache
 from veloxquant_mlx.compat.config import KVCacheConfig
+from _packed_attention_helpers import banded_sdpa_reference
 
 PROMPT_LEN, CHUNK, STEPS = 48, 8, 12  # long enough for affine_block to code blocks of 32 tokens
 REL_TOL = 1e-4
@@ -104,7 +105,7 @@ def count_packed(monkeypatch):
         calls["attend"] += 1
         out = attend(self, queries, scale, mask, *a, **k)
         keys, values = fetch(self, mx.float32)
-        ref = mx.fast.scaled_dot_product_attention(queries.astype(mx.float32), keys, values, scale=scale, mask=mask)
+        ref = banded_sdpa_reference(self, queries.astype(mx.float32), keys, values, scale, mask)
         err = mx.abs(out.astype(mx.float32) - ref).max() / mx.abs(ref).max()
         calls["errors"].append(float(err))
         return out
@@ -131,8 +132,10 @@ def distinct_tokens(tokens) -> int:
 
 @pytest.mark.parametrize("codec", CODECS)
 def test_llama_same_tokens_and_logits_with_and_without_hook(llama_model, codec, count_packed):
+    # (no exact window: with one, a chunk's queries read their newest keys exact on codes only, which the decoded
+    # history cannot show; `test_llama_chunks_read_their_exact_band` checks that path call by call)
     p = prompt(2)
-    opts = options(codec, sink=2, recent=4, trim_headroom=2)
+    opts = options(codec, sink=2, trim_headroom=2)
     ref_cache = make_prompt_cache(llama_model, route_attention=False, **opts)
     ref_toks, ref_logits, _ = decode(llama_model, ref_cache, prefill(llama_model, ref_cache, p), STEPS)
     assert count_packed["attend"] == 0
@@ -156,6 +159,18 @@ def test_llama_same_tokens_and_logits_with_and_without_hook(llama_model, codec, 
     assert count_packed["attend"] == before
     assert more == ref_more
     assert_close(more_logits, ref_more_logits, FREE_RUN_TOL)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_llama_chunks_read_their_exact_band(llama_model, codec, count_packed):
+    """With an exact window, every attention call on codes (prompt chunks and decode steps) equals SDPA on the
+    decoded history in which each chunk query reads its ``recent`` newest keys from the chunk's exact copies."""
+    cache = make_prompt_cache(llama_model, route_attention=False, **options(codec, sink=2, recent=4, trim_headroom=2))
+    with use_packed_attention():
+        toks, _, _ = decode(llama_model, cache, prefill(llama_model, cache, prompt(2)), STEPS)
+    assert count_packed["attend"] == len(llama_model.layers) * (PROMPT_LEN // CHUNK + STEPS)
+    assert max(count_packed["errors"]) <= REL_TOL
+    assert distinct_tokens(toks) >= 3 and all(c.n_coded > 0 for c in cache)
 
 
 @pytest.mark.parametrize("codec", CODECS)

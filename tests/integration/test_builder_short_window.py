@@ -9,7 +9,7 @@ import pytest
 
 import veloxquant_mlx as vq
 from veloxquant_mlx.integration.builder import layer_kinds_note
-from veloxquant_mlx.cache.presets import DEFAULT, SHORT_WINDOW, preset
+from veloxquant_mlx.cache.presets import DEFAULT, SHORT_WINDOW, WINDOW_KEY_BITS, WINDOW_RECENT, preset
 from veloxquant_mlx.cache.options import CacheOptions
 
 
@@ -69,8 +69,8 @@ def test_windows_keep_their_newest_tokens_exact(tiny_model):
     mixed = (vq.make_prompt_cache(tiny_model, "tq-4b", window_recent=6)[:1]
              + vq.make_prompt_cache(tiny_model, "tq-4b", window_recent=6, max_kv_size=64)[1:])
     assert [c.options.recent for c in mixed] == [0] + [6] * (len(mixed) - 1)
-    assert "sliding window of 64 tokens: codec 'affine', keys 4 / values 4 bits, sink 1, newest 6 exact" \
-        in layer_kinds_note(mixed)
+    assert "sliding window of 64 tokens: codec 'affine', keys 5 / values 4 bits, sink 1, newest 6 exact" \
+        in layer_kinds_note(mixed)  # (tq-4b's windows: keys at 5 bits, WINDOW_KEY_BITS)
     both = vq.make_prompt_cache(tiny_model, "tq-4b", recent=8, window_recent=6, max_kv_size=64)
     assert {c.options.recent for c in both} == {8}  # never fewer than `recent`
     window = mixed[1]
@@ -92,3 +92,22 @@ def test_windows_keep_their_newest_tokens_exact(tiny_model):
     assert mx.array_equal(last.values[..., -6:, :], v[:, :, -6:].astype(last.values.dtype)).item()
     with pytest.raises(ValueError, match="window_recent"):
         CacheOptions(window_recent=-1)
+
+
+def test_window_keys_take_window_k_bits(tiny_model):
+    """`CacheOptions.window_k_bits`: window layers code keys at no fewer bits (values and full-attention layers keep
+    theirs); a width the window's per-token codec lacks is a ValueError naming the option."""
+    mixed = (vq.make_prompt_cache(tiny_model, "tq-3b", window_k_bits=5)[:1]
+             + vq.make_prompt_cache(tiny_model, "tq-3b", window_k_bits=5, max_kv_size=64)[1:])
+    assert [(c.options.k_bits, c.options.value_bits) for c in mixed] == [(3, 3)] + [(5, 3)] * (len(mixed) - 1)
+    assert "sliding window of 64 tokens: codec 'affine', keys 5 / values 3 bits" in layer_kinds_note(mixed)
+    lower = vq.make_prompt_cache(tiny_model, "tq-4b", window_k_bits=3, max_kv_size=64)
+    assert {(c.options.k_bits, c.options.value_bits) for c in lower} == {(4, 4)}  # a floor, never lower
+    budget = vq.make_prompt_cache(tiny_model, "tq-2b", max_kv_size=64)  # the budget presets' windows
+    assert {(c.options.k_bits, c.options.value_bits, c.options.recent) for c in budget} == \
+        {(WINDOW_KEY_BITS, 2, WINDOW_RECENT)}
+    assert {(c.options.k_bits, c.options.recent) for c in vq.make_prompt_cache(tiny_model, "tq-2b")} == {(2, 0)}
+    with pytest.raises(ValueError, match=r"window_k_bits must be 0 or one of .*\(2, 3, 4, 5, 6, 8\), got 7"):
+        vq.make_prompt_cache(tiny_model, "tq-4b", window_k_bits=7, max_kv_size=64)
+    with pytest.raises(ValueError, match="window_k_bits"):
+        CacheOptions(window_k_bits=9)

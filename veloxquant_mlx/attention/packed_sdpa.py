@@ -38,7 +38,8 @@ from veloxquant_mlx.attention import kernel
 from veloxquant_mlx.attention.exp2 import LOG2E, exp2_nonpositive
 from veloxquant_mlx.attention.parts import (NEG, CodedPart, ExactPart, Part, _grouped_mask,
                                             _merge_exact, _part_heads, _segment_mask,
-                                            _short_softmax_values, _weighted_values, part_scores)
+                                            _short_softmax_values, _weighted_values, band_columns, band_mask,
+                                            base_mask, part_scores, with_exact_band)
 from veloxquant_mlx.codecs.common import f32, packed_matmul_ok
 from veloxquant_mlx.codecs.contract import check_codec
 from veloxquant_mlx.validate import check_heads, check_int
@@ -311,6 +312,46 @@ def _blocked_attention(queries, parts, scale, mask, sinks, window_size, packed_r
         m = mask[..., l0: l0 + block, :] if isinstance(mask, mx.array) and mask.shape[-2] == L else mask
         outs.append(_attend(queries[:, :, l0: l0 + block], exact, scale, m, sinks, None, packed_rows, Hkv, N, False))
     return mx.concatenate(outs, axis=2)
+
+
+def banded_attention(queries: mx.array, parts: Sequence[Part], band: ExactPart, recent: int, scale: float,
+                     mask=None, sinks: Optional[mx.array] = None, window_size: Optional[int] = None,
+                     packed_rows: Optional[int] = None) -> mx.array:
+    """`packed_attention` of a chunk's ``queries`` ``(B, Hq, L, d)`` (the history's last L positions) in which each
+    query reads its ``recent`` newest keys from ``band``, exact copies of the history's last M positions
+    ``(B, Hkv, M, d)``, where the parts hold them as codes (`veloxquant_mlx.attention.parts.with_exact_band`): what
+    the queries would read were the tokens decoded one at a time behind an exact window of ``recent``.
+
+    A long chunk on the dequantize path decodes the history once and attends it `query_block` queries at a time,
+    each block with only the copies its queries read (``block + recent - 1``), not the whole band.
+    """
+    _check_arguments(queries, mask, window_size, packed_rows)
+    parts = _check_parts(parts)
+    B, Hq, L, d = queries.shape
+    Hkv = _part_heads(parts[0])[1]
+    R = Hq // max(Hkv, 1)
+    if L <= QUERY_BLOCK or packed_matmul_ok(R * L, packed_rows, CPU_BLOCKED_ROWS):
+        banded, m = with_exact_band(parts, band, recent, L, mask, window_size)
+        return packed_attention(queries, banded, scale, m, sinks=sinks, packed_rows=packed_rows)
+    N, M, coded = band_columns(parts, band)
+    if isinstance(mask, mx.array):
+        _grouped_mask(mask, B, Hq, Hkv, L, N)  # validates the shape, clear errors
+    base = base_mask(mask, L, N, window_size)
+    ks = [p.k_codec.decode(p.k_arrays, mx.float32) if isinstance(p, CodedPart) else f32(p.keys) for p in parts]
+    vs = [p.v_codec.decode(p.v_arrays, mx.float32) if isinstance(p, CodedPart) else f32(p.values) for p in parts]
+    history = ExactPart(ks[0], vs[0]) if len(ks) == 1 else ExactPart(mx.concatenate(ks, axis=2),
+                                                                      mx.concatenate(vs, axis=2))
+    bk, bv = f32(band.keys[:, :, band.length - M:]), f32(band.values[:, :, band.length - M:])
+    block, outs = query_block(N * B), []
+    for l0 in range(0, L, block):
+        n = min(block, L - l0)
+        first = N - L + l0  # the block's first query position
+        lo, hi = max(first - recent + 1, N - M), first + n  # the band positions its queries may read exact
+        m = band_mask(base[..., l0:l0 + n, :], first, lo, coded[lo - (N - M):hi - (N - M)], recent)
+        copies = ExactPart(bk[:, :, lo - (N - M):hi - (N - M)], bv[:, :, lo - (N - M):hi - (N - M)])
+        outs.append(_attend(queries[:, :, l0:l0 + n], [history, copies], scale, m, sinks, None, packed_rows, Hkv,
+                            N + hi - lo, False))
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
 
 
 def coded_attention(

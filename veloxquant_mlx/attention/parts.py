@@ -206,3 +206,68 @@ def _short_softmax_values(scores: List[mx.array], parts: Sequence[Part], sinks, 
     if mu is not None:
         o = o + (mu if sinks is None else (1.0 - ws[-1]) * mu)
     return o
+
+
+# --------------------------------------------------------------------------------------------------------
+# the exact band of a chunk: each query reads its newest keys as the decode steps would
+# --------------------------------------------------------------------------------------------------------
+def band_columns(parts: Sequence[Part], band: ExactPart) -> Tuple[int, int, mx.array]:
+    """``(N, M, coded)``: the history's length, how many of its last positions ``band`` copies (at most N) and which
+    of those the parts hold as codes, bool ``(M,)``."""
+    parts = [p for p in parts if p.length > 0]
+    N = sum(p.length for p in parts)
+    M = min(band.length, N)
+    coded = []
+    for p in parts:
+        coded.extend([isinstance(p, CodedPart)] * p.length)
+    return N, M, mx.array(coded[N - M:], dtype=mx.bool_)
+
+
+def base_mask(mask, L: int, N: int, window_size: Optional[int] = None) -> mx.array:
+    """``mask`` (None, "causal" with ``window_size``, or an array broadcastable to ``(.., L, N)``) as an array
+    ``(.., L, N)``: bool for None / "causal", else the array's own kind."""
+    if mask is None:
+        return mx.ones((L, N), dtype=mx.bool_)
+    if isinstance(mask, str):
+        return _segment_mask("causal", 0, N, L, N, window_size) if L > 1 else mx.ones((L, N), dtype=mx.bool_)
+    return mx.broadcast_to(mask, mask.shape[:-2] + (L, N))
+
+
+def band_mask(base: mx.array, first_q: int, lo: int, coded: mx.array, recent: int) -> mx.array:
+    """``base`` ``(.., l, N)`` (queries at positions ``first_q ..``) widened by the band copies of positions
+    ``[lo, lo + len(coded))`` -> ``(.., l, N + len(coded))``: a coded position among a query's ``recent`` newest is
+    read from its copy and hidden in the parts; every other copy is hidden."""
+    l, N, n = base.shape[-2], base.shape[-1], coded.shape[0]
+    q_pos = mx.arange(first_q, first_q + l)[:, None]
+    k_pos = mx.arange(lo, lo + n)[None, :]
+    in_band = (q_pos - k_pos < recent) & coded  # (l, n)
+    parts_side = in_band
+    if lo or lo + n < N:
+        parts_side = mx.concatenate([x for x in (mx.zeros((l, lo), dtype=mx.bool_) if lo else None, in_band,
+                                                 mx.zeros((l, N - lo - n), dtype=mx.bool_) if lo + n < N else None)
+                                     if x is not None], axis=-1)  # (l, N)
+    copies = base[..., lo:lo + n]
+    if base.dtype == mx.bool_:
+        return mx.concatenate([base & ~parts_side, copies & in_band], axis=-1)
+    far = mx.array(NEG, dtype=base.dtype)
+    return mx.concatenate([mx.where(parts_side, far, base), mx.where(in_band, copies, far)], axis=-1)
+
+
+def with_exact_band(parts: Sequence[Part], band: ExactPart, recent: int, L: int, mask,
+                    window_size: Optional[int] = None) -> Tuple[List[Part], object]:
+    """``parts`` and ``mask`` such that each of the last ``L`` queries reads its ``recent`` newest keys exact.
+
+    A cache keeping its newest ``recent`` tokens exact codes a chunk's older tokens before the chunk's own queries
+    read them; fed one token at a time, each of those queries would have read its ``recent`` newest keys exact.
+    ``band`` holds exact copies of the history's last ``M`` positions ``(B, Hkv, M, d)``: it joins the parts, and
+    the mask shows a query a coded position's copy (and hides the coded original) when that position is among its
+    ``recent`` newest. ``mask`` as `packed_attention` takes it (None, "causal" with ``window_size``, or a bool or
+    additive array ``(.., L, N)``); returns the parts with ``band`` last and a mask ``(.., L, N + M)`` of the same
+    kind (a bool array for None / "causal"). Long chunks: `veloxquant_mlx.attention.packed_sdpa.banded_attention`
+    reads only the copies each block of queries needs.
+    """
+    parts = [p for p in parts if p.length > 0]
+    N, M, coded = band_columns(parts, band)
+    if M < band.length:
+        band = ExactPart(band.keys[:, :, -M:], band.values[:, :, -M:])
+    return parts + [band], band_mask(base_mask(mask, L, N, window_size), N - L, N - M, coded, recent)

@@ -15,7 +15,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
 from veloxquant_mlx.attention import hook as _hook
-from veloxquant_mlx.attention.packed_sdpa import attend_one_query, packed_attention
+from veloxquant_mlx.attention.packed_sdpa import ExactPart, attend_one_query, banded_attention, packed_attention
 from veloxquant_mlx.cache import saved_state
 from veloxquant_mlx.cache._face import _PackedFace, _check_pair, _trim_rows
 from veloxquant_mlx.cache.row_policy import Rows
@@ -79,6 +79,7 @@ class _BatchFace(_PackedFace):
         self._pending: Optional[List[int]] = None  # real tokens still to come per row (prepare(lengths=...))
         self._lead: Optional[List[int]] = None  # pad tokens before each row's first one (prepare(left_padding=))
         self._chunk = None  # (T, first real position, real tokens, tokens before) per row, of the last update
+        self._band = None  # the last chunk's exact copies per row (`Rows.band_before`)
         self._dependency = None  # mlx_lm's pipeline writes `keys` (PipelineDependency)
 
     B = property(lambda self: self.rows.B)
@@ -138,7 +139,7 @@ class _BatchFace(_PackedFace):
                 keys, values = self._weigh(keys, values)
             r.append(keys, values, None, None if self.window is None else [1] * B)
             self._set_offset()
-            self._chunk = _ONE_TOKEN
+            self._chunk, self._band = _ONE_TOKEN, None
             return self._placeholders(keys.dtype, values.dtype)
         if not _hook.is_active():
             raise ValueError(f"{type(self).__name__} attends only from its codes: batch (batch_generate, "
@@ -156,6 +157,7 @@ class _BatchFace(_PackedFace):
         if self._pending is not None:
             self._pending = [p - x for p, x in zip(self._pending, real)]
         self._lead = None  # left padding precedes the first chunk only
+        self._band = r.band_before(keys, values, lead, real)  # (read by this chunk's attention)
         r.append(keys, values, lead, real)
         self._chunk = (T, lead, real, [n - x for n, x in zip(r.lengths, real)])
         self._set_offset()
@@ -225,8 +227,13 @@ class _BatchFace(_PackedFace):
             a, n = lead[i], real[i]
             o = None
             if n:
-                o = packed_attention(queries[i:i + 1, :, a:a + n], self.rows.row_parts(i), scale,
-                                     self._chunk_mask(n, before[i], window), sinks=sinks)
+                q, parts, mask = queries[i:i + 1, :, a:a + n], self.rows.row_parts(i), self._chunk_mask(n, before[i], window)
+                band = getattr(self, "_band", None)
+                if band is not None and band[i] is not None and n > 1 and self.rows.band_applies():
+                    # each query reads its `recent` newest keys exact, as decoding them one at a time would
+                    o = banded_attention(q, parts, ExactPart(*band[i]), self.rows.options.recent, scale, mask, sinks)
+                else:
+                    o = packed_attention(q, parts, scale, mask, sinks=sinks)
             pad = T - a - n
             pieces = [x for x in (mx.zeros((1, Hq, a, dv), queries.dtype) if a else None, o,
                                   mx.zeros((1, Hq, pad, dv), queries.dtype) if pad else None) if x is not None]
@@ -262,7 +269,7 @@ class _BatchFace(_PackedFace):
             raise ValueError(f"batch_indices must lie in [0, {self.B}), got {idx}")
         self.rows = take_rows(self.rows, idx)
         self._set_offset()
-        self._chunk = None
+        self._chunk = self._band = None
 
     def extract(self, idx: int):
         """Sequence ``idx`` as a per-sequence cache that continues exactly as it would in the batch."""
@@ -281,7 +288,7 @@ class _BatchFace(_PackedFace):
             raise ValueError("extend needs both batches between prompts (after finalize)")
         self.rows = concat_rows([self.rows, other.rows]) if other.B else self.rows
         self._set_offset()
-        self._chunk = None
+        self._chunk = self._band = None
 
     def is_trimmable(self) -> bool:
         return self.window is None or max(self.lengths, default=0) < self.window[0]
@@ -292,7 +299,7 @@ class _BatchFace(_PackedFace):
         if n:
             self.rows = _trim_rows(self.rows, [n] * self.B)
             self._set_offset()
-            self._chunk = None
+            self._chunk = self._band = None
         return n
 
     # -- sizes and state ------------------------------------------------------------------------------

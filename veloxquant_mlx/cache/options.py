@@ -55,7 +55,8 @@ class CacheOptions:
     method: the TurboQuant quantizer of the ``lloyd_max`` codec: turboquant_mse / turboquant_prod / turboquant_rvq.
     codec: a layout of `veloxquant_mlx.codecs.CODECS` (lloyd_max, affine, affine_block, float16).
     k_bits / v_bits: key / value bits (v_bits None = k_bits); an int, or a tuple with one per layer.
-    sink: first tokens kept exact. recent: last tokens kept exact. trim_headroom: exact copies kept so that
+    sink: first tokens kept exact. recent: last tokens kept exact (a prompt chunk's queries each read their ``recent``
+        newest keys exact: prefill attends as one-token decode steps would). trim_headroom: exact copies kept so that
         ``trim(n <= trim_headroom)`` leaves the last ``recent`` tokens exact.
     code_batch: per-token codecs without an exact window code their tokens this many at a time, counted from the
         first coded token (the newest up to ``code_batch - 1`` wait exact, as a block codec's incomplete block
@@ -80,6 +81,10 @@ class CacheOptions:
     window_recent: a sliding-window (or chunked) layer keeps its newest ``window_recent`` tokens exact (at least
         ``recent``): local attention reads mostly its newest keys, so their error weighs most (Gemma 3's windows,
         BENCHMARKS.md, issue 55). Full-attention layers keep ``recent``.
+    window_k_bits: a sliding-window (or chunked) layer codes its keys at no fewer than this many bits (0: ``k_bits``).
+        A window's queries attend sharply to a few near keys, so its key error, not its values', carries its share
+        of the KL (Gemma 3 at tq-4b: 8-bit window keys cut the KL 5x, 8-bit window values 1.2x); a window holds a
+        bounded number of tokens, so the extra bits cost a bounded amount of memory.
     calibration_id / channel_log2: one layer's static channel weights from a `veloxquant_mlx.Calibration` (the
         builder fills them in from ``calibration=``): ``channel_log2`` = (keys, values), each ``heads`` tuples of
         ``head_dim`` ints in [-3, 3]; keys and values are stored times ``2**channel_log2`` (exact in floating point),
@@ -108,6 +113,7 @@ class CacheOptions:
     short_window: int = 0
     short_window_bits: int = 8
     window_recent: int = 0
+    window_k_bits: int = 0
     key_rotation: Union[None, str, Tuple[str, ...]] = None
     calibration_id: Optional[str] = None
     channel_log2: Optional[Tuple[Tuple[Tuple[int, ...], ...], Tuple[Tuple[int, ...], ...]]] = \
@@ -125,6 +131,7 @@ class CacheOptions:
             set_(name, check_int(name, getattr(self, name), lo))
         set_("outlier_bits", check_int("outlier_bits", self.outlier_bits, 1, 8))
         set_("short_window_bits", check_int("short_window_bits", self.short_window_bits, 1, 8))
+        set_("window_k_bits", check_int("window_k_bits", self.window_k_bits, 0, 8))
         set_("code_batch", check_int("code_batch", self.code_batch, 1, 4096))
         set_("jl_dim", check_int("jl_dim", self.jl_dim, 1, optional=True))
         set_("head_dim", check_int("head_dim", self.head_dim, 1, optional=True))

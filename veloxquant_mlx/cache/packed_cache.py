@@ -30,7 +30,7 @@ from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import create_attention_mask
 
 from veloxquant_mlx.attention import hook as _hook
-from veloxquant_mlx.attention.packed_sdpa import attend_one_query, packed_attention
+from veloxquant_mlx.attention.packed_sdpa import ExactPart, attend_one_query, banded_attention, packed_attention
 from veloxquant_mlx.cache import saved_state
 from veloxquant_mlx.cache._batch import _BatchFace
 from veloxquant_mlx.cache._face import _PackedFace, _check_pair, _check_window, _decode, _trim_rows
@@ -102,6 +102,7 @@ class TurboQuantPackedCache(_PackedFace):
                 "the caches with veloxquant_mlx.make_prompt_cache(model, ...) (it detects such models) or pass "
                 "fetch_placeholders=False.")
         keys, values = self._weigh(*self._after_dependency(keys, values))
+        self._band = rows.band_before(keys, values)  # (read by this chunk's attention, `_banded`)
         rows.append(keys, values)
         self._dtypes = (keys.dtype, values.dtype)
         if self.fetch_placeholders and _hook.is_active():
@@ -171,13 +172,29 @@ class TurboQuantPackedCache(_PackedFace):
             return attend_one_query(queries, r.row_parts(0), scale, sinks)
         if not isinstance(queries, mx.array) or queries.ndim != 4 or queries.shape[0] == 1 or \
                 queries.shape[0] != r.B:  # (one sequence; bad queries: packed_attention names them)
+            band = self._chunk_band(queries)
+            if band is not None:
+                return banded_attention(queries, self.attention_parts(), band, r.options.recent, scale, mask, sinks)
             return packed_attention(queries, self.attention_parts(), scale, mask, sinks=sinks)
         B, Hq, L, d = queries.shape
         if isinstance(mask, mx.array):  # sequences in lockstep: fold them into the heads
             mask = mx.broadcast_to(mask, (B, Hq) + mask.shape[-2:]).reshape(1, B * Hq, *mask.shape[-2:])
-        out = packed_attention(queries.reshape(1, B * Hq, L, d), self.attention_parts(), scale, mask,
-                               sinks=None if sinks is None else mx.tile(sinks.reshape(-1), (B,)))
+        band, sinks = self._chunk_band(queries, folded=True), None if sinks is None else mx.tile(sinks.reshape(-1), (B,))
+        q = queries.reshape(1, B * Hq, L, d)
+        out = packed_attention(q, self.attention_parts(), scale, mask, sinks=sinks) if band is None else \
+            banded_attention(q, self.attention_parts(), band, r.options.recent, scale, mask, sinks)
         return out.reshape(B, Hq, L, out.shape[-1])
+
+    def _chunk_band(self, queries, folded: bool = False) -> Optional[ExactPart]:
+        """The exact copies the last chunk's queries read as their newest keys (`Rows.band_before`; rows in lockstep
+        concatenated, ``folded`` into the heads), or None where they read what is stored."""
+        band = getattr(self, "_band", None)
+        if band is None or not 1 < queries.shape[2] <= band[0][0].shape[2] or not self.rows.band_applies():
+            return None
+        k, v = (mx.concatenate([b[j] for b in band], axis=0) if len(band) > 1 else band[0][j] for j in (0, 1))
+        if folded:
+            k, v = (x.reshape(1, -1, *x.shape[2:]) for x in (k, v))
+        return ExactPart(k, v)
 
     def _fetch(self, dtype):
         """The whole history decoded, ``(B, H, n, d)`` in ``dtype`` (the path outside attention on codes)."""

@@ -47,10 +47,19 @@ def _tq(method: str, k_bits: int, v_bits: int, codec: str = "lloyd_max") -> Cach
 # at every length, but is not the presets' yet: it decodes its coded tail at every step (0.82x the plain cache's
 # decode at 4096 tokens on SmolLM2, where this layout gains) and, with every token of a short chat coded, changes
 # SmolLM2's answer to the demo question (BENCHMARKS.md, issue 47). No centring here: the keys' per-channel biases
-# absorb their means.
+# absorb their means. Sliding-window layers (models with them only; they code per token) keep their newest
+# `WINDOW_RECENT` tokens exact and code keys at no fewer than `WINDOW_KEY_BITS` bits: a window's queries read
+# mostly their newest keys, sharply, so its key error carries the KL. On Gemma 3 270M (Bible, 2048 tokens,
+# calibrated) this took tq-4b's KL 0.173 -> 0.014, tq-3b's 0.78 -> 0.038, tq-2b's 2.27 -> 0.15, for +0.3 to +0.65
+# bit at 2048 tokens (a window holds 512 tokens whatever the context: less at longer ones); BENCHMARKS.md, issue 55.
+WINDOW_RECENT = 16
+WINDOW_KEY_BITS = 5
+
+
 def _budget(bits: int) -> CacheOptions:
     return CacheOptions(codec="kblock_vsym8", k_bits=bits, v_bits=bits, group_size=128, trim_headroom=0,
-                        center_keys=False, center_values=False, sink=1)
+                        center_keys=False, center_values=False, sink=1, window_recent=WINDOW_RECENT,
+                        window_k_bits=WINDOW_KEY_BITS)
 
 
 # budget preset name -> its budget in bits per coordinate (every stored byte counted)

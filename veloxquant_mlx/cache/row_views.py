@@ -56,6 +56,34 @@ class RowViews:
             parts.append(ExactPart(t["k"], t["v"]))
         return parts
 
+    def band_before(self, keys: mx.array, values: mx.array, lead=None, real=None) -> Optional[list]:
+        """Exact copies of what a chunk's queries read as their newest keys (`with_exact_band`), taken before the
+        chunk ``(B, H, T, d)`` is stored: per row, its tail's newest ``recent - 1`` tokens and its real new ones,
+        ``(keys, values)`` ``(1, H, M, d)``, or None. None for one token (a decode step reads its window exact)
+        or without an exact window."""
+        r = self.options.recent
+        if keys.shape[2] < 2 or not r:
+            return None
+        lead = lead or [0] * keys.shape[0]
+        real = real or [keys.shape[2]] * keys.shape[0]
+        L, out = self.tail.length, []
+        raw = self.tail.view() if L and self.tail.coder is None else None
+        for i in range(keys.shape[0]):
+            if not real[i]:
+                out.append(None)
+                continue
+            new = [x[i:i + 1, :, lead[i]:lead[i] + real[i]] for x in (keys, values)]
+            old = min(r - 1, self.tail_n[i]) if raw is not None else 0
+            if old:
+                new = [mx.concatenate([raw[n][i:i + 1, :, L - old:L].astype(x.dtype), x], axis=2)
+                       for n, x in zip(("k", "v"), new)]
+            out.append(tuple(new))
+        return out
+
+    def band_applies(self) -> bool:
+        """Whether a chunk's queries read `band_before`'s copies: behind an exact window (``recent``)."""
+        return bool(self.options.recent)
+
     def _coded_part(self, k_codec, k_arrays, v_codec, v_arrays) -> CodedPart:
         """The same `CodedPart` object while its codecs and code views are the same objects: decode steps between
         two coded blocks reuse it, and what the compiled attention derives from it (`kernel.decode_step`). Kept

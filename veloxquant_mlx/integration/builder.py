@@ -190,17 +190,23 @@ def _window_options(options, keep: int, what: str, max_size: Optional[int] = Non
     """A window's options: a per-token layout (a window evicts single tokens), exact sink tokens only within
     ``keep`` (never evicted); a sliding window of at most ``options.short_window`` tokens (``max_size``) codes keys
     and values at no fewer than ``options.short_window_bits`` bits (its memory is bounded whatever the context); the
-    newest ``options.window_recent`` tokens stay exact."""
+    newest ``options.window_recent`` tokens stay exact, and keys take at least ``options.window_k_bits`` bits."""
     if options.kind == "rvq":
         raise ValueError(f"kind='rvq' has no sliding-window variant; this model has {what} layers: use kind='packed'")
     changes = {"sink": min(options.sink, keep), "recent": max(options.recent, options.window_recent)}
     if max_size is not None and max_size <= options.short_window:
         floor = options.short_window_bits
         changes.update(k_bits=max(options.k_bits, floor), v_bits=max(options.value_bits, floor))
+    if options.window_k_bits > changes.get("k_bits", options.k_bits):
+        changes.update(k_bits=options.window_k_bits, v_bits=changes.get("v_bits", options.value_bits))
     if codec_layout(options.codec).keys.BLOCKED:  # block keys cannot be evicted a token at a time
         # a block codec's group_size is its key block in tokens, not a per-token group of coordinates; per-token
         # codes keep the rotation (key_rotation is the block keys')
         changes.update(codec="affine", group_size=None, key_rotation=None)
+    allowed = codec_layout(changes.get("codec", options.codec)).keys.BITS
+    if options.window_k_bits and changes.get("k_bits") == options.window_k_bits and options.window_k_bits not in allowed:
+        raise ValueError(f"window_k_bits must be 0 or one of the {what} layers' key widths {tuple(allowed)}, got "
+                         f"{options.window_k_bits}")
     return dataclasses.replace(options, **changes)
 
 
