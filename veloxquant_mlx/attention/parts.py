@@ -217,10 +217,8 @@ def band_columns(parts: Sequence[Part], band: ExactPart) -> Tuple[int, int, mx.a
     parts = [p for p in parts if p.length > 0]
     N = sum(p.length for p in parts)
     M = min(band.length, N)
-    coded = []
-    for p in parts:
-        coded.extend([isinstance(p, CodedPart)] * p.length)
-    return N, M, mx.array(coded[N - M:], dtype=mx.bool_)
+    flags = [mx.full((p.length,), isinstance(p, CodedPart), dtype=mx.bool_) for p in parts]
+    return N, M, mx.concatenate(flags)[N - M:]
 
 
 def base_mask(mask, L: int, N: int, window_size: Optional[int] = None) -> mx.array:
