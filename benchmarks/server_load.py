@@ -15,7 +15,12 @@ run stops at ``--max-seconds``.
     python benchmarks/server_load.py --min-requests 4 --max-tokens 8 --context-tokens 200 --out load.json
 
 Each prompt is a shared context paragraph (about ``--context-tokens`` tokens) plus one of several questions, so the
-prompt cache has a common prefix to reuse. Then the KV memory: how many ``--capacity-tokens``-token sequences
+prompt cache has a common prefix to reuse; with ``--distinct-contexts`` each request has its own context of that
+many tokens (conversations that each hold a long cache: issue 55's 4 x 8192 tokens), and each server process's peak
+resident memory (VmHWM) is reported beside its throughput.
+
+    python benchmarks/server_load.py --model gemma3-270m --concurrency 4 --min-requests 4 --context-tokens 8192 \
+        --distinct-contexts --max-tokens 32 --only batched --timeout 3000 --max-seconds 5400 --out load_4x8192.json Then the KV memory: how many ``--capacity-tokens``-token sequences
 (4096) fit in ``--budget-gib`` (1 GiB) of KV cache, from the measured ``nbytes`` (`veloxquant_mlx.apps.eval.memory`)
 of the caches the batch holds (two sequences merged into mlx_lm's ``BatchKVCache`` / our batch cache; mlx-lm's
 4-bit cache cannot be batched, so its own per-sequence cache).
@@ -134,12 +139,38 @@ class ServerProcess:
                 self.proc.wait()
 
 
-def _body(i: int, context: str, max_tokens: int) -> dict:
-    return {"model": "smollm2", "temperature": 0.0, "max_tokens": max_tokens,
-            "messages": [{"role": "user", "content": context + QUESTIONS[i % len(QUESTIONS)]}]}
+def _body(i: int, context, max_tokens: int, model: str = "smollm2") -> dict:
+    """Request ``i`` to the server of ``model``: its context (one shared string, or request ``i``'s own from a list)
+    and a question."""
+    text = context if isinstance(context, str) else context[i % len(context)]
+    return {"model": model, "temperature": 0.0, "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": text + QUESTIONS[i % len(QUESTIONS)]}]}
 
 
-def run_cell(label, handle, n_requests, concurrency, max_tokens, context, deadline, timeout):
+def distinct_contexts(tokenizer, n: int, tokens: int, corpus: str = "debian-reference"):
+    """``n`` contexts of ``tokens`` tokens each, consecutive slices of an offline corpus (no shared prefix: each
+    conversation holds its own cache), each ending in a blank line."""
+    from veloxquant_mlx.apps.eval.corpus import CORPORA
+
+    ids = tokenizer.encode(CORPORA[corpus]())
+    if len(ids) < n * tokens:
+        raise ValueError(f"--distinct-contexts: the {corpus} text has {len(ids)} tokens, fewer than {n} x {tokens}")
+    return [tokenizer.decode(ids[i * tokens: (i + 1) * tokens]) + "\n\n" for i in range(n)]
+
+
+def peak_rss_mib(pid: int):
+    """The process's peak resident memory (VmHWM, Linux), MiB; None where /proc does not say."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def run_cell(label, handle, n_requests, concurrency, max_tokens, context, deadline, timeout, model="smollm2"):
     """``n_requests`` requests to one running server from ``concurrency`` client threads."""
     results, errors = [], []
     lock = threading.Lock()
@@ -153,7 +184,7 @@ def run_cell(label, handle, n_requests, concurrency, max_tokens, context, deadli
                 return
             t0 = time.perf_counter()
             try:
-                status, payload = _post(handle.port, _body(i, context, max_tokens), timeout)
+                status, payload = _post(handle.port, _body(i, context, max_tokens, model), timeout)
             except Exception as e:  # counted, the run goes on
                 with lock:
                     errors.append(f"{type(e).__name__}: {e}")
@@ -195,6 +226,7 @@ def run_cell(label, handle, n_requests, concurrency, max_tokens, context, deadli
         "kv_bytes_per_token": fp["bytes_per_token"],
         "kv_bits_per_coordinate": fp["bits_per_coordinate"],
         "prompt_cache_mib": _prompt_cache_mib(handle),
+        "server_peak_rss_mib": peak_rss_mib(handle.proc.pid) if isinstance(handle, ServerProcess) else None,
     }
 
 
@@ -240,6 +272,7 @@ def pool(cells):
             "prompt_tokens": sum(c["prompt_tokens"] for c in group),
             "cached_prompt_tokens": sum(c["cached_prompt_tokens"] for c in group),
             "prompt_cache_mib": group[-1]["prompt_cache_mib"],
+            "server_peak_rss_mib": group[-1].get("server_peak_rss_mib"),
             "round_ratios": ratios,
         })
         rows.append(row)
@@ -285,7 +318,7 @@ def _ratio_range(ratios) -> str:
 
 def _table(rows):
     head = ["config", "clients", "batched", "ok/err", "req/s", "vs plain batched", "per round: median [min, max]",
-            "tok/s", "p50 s", "p95 s", "cached/prompt tok"]
+            "tok/s", "p50 s", "p95 s", "cached/prompt tok", "server peak RSS MiB"]
     plain = {r["concurrency"]: r["requests_per_s"] for r in rows if r["config"] == DEFAULT_CONFIGS[0][0]}
     lines = []
     for r in sorted(rows, key=lambda r: (r["concurrency"], r["config"])):
@@ -294,7 +327,8 @@ def _table(rows):
                       f"{r['requests_ok']}/{r['errors']}", f"{r['requests_per_s']:.2f}", f"{ratio:.2f}x",
                       _ratio_range(r["round_ratios"]), f"{r['completion_tokens_per_s']:.1f}",
                       f"{r['latency_p50_s'] or float('nan'):.2f}", f"{r['latency_p95_s'] or float('nan'):.2f}",
-                      f"{r['cached_prompt_tokens']}/{r['prompt_tokens']}"])
+                      f"{r['cached_prompt_tokens']}/{r['prompt_tokens']}",
+                      "-" if r.get("server_peak_rss_mib") is None else f"{r['server_peak_rss_mib']:.0f}"])
     return _common.markdown_table(head, lines)
 
 
@@ -323,6 +357,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=16, help="completion tokens per request (default 16)")
     p.add_argument("--context-tokens", type=int, default=400,
                    help="approximate length of the shared context paragraph (default 400)")
+    p.add_argument("--distinct-contexts", action="store_true",
+                   help="each request its own context of --context-tokens tokens (slices of Debian's reference text: "
+                        "no shared prefix, every conversation holds its own cache) instead of one shared paragraph")
     p.add_argument("--only", action="append", default=None,
                    help="run only configurations whose label contains this text (repeatable)")
     p.add_argument("--capacity-tokens", type=int, default=4096, help="sequence length of the memory table")
@@ -347,6 +384,10 @@ def main(argv=None) -> int:
     model, tokenizer = load_model(a.model)
     reps = max(1, round(a.context_tokens / max(1, len(tokenizer.encode(CONTEXT)))))
     context = CONTEXT * reps + "\n\n"
+    warm_context = context  # (shared: the warm-up leaves the prefix in the prompt cache, as a running server would)
+    if a.distinct_contexts:  # one per request of the largest cell (a warm-up shares no prefix with them)
+        n_max = max(max(a.min_requests, level * a.requests_per_client) for level in a.concurrency)
+        context = distinct_contexts(tokenizer, n_max, a.context_tokens)
     configs = [c for c in DEFAULT_CONFIGS if not a.only or any(o in c[0] for o in a.only)]
     cap = capacity(model, a.capacity_tokens, a.budget_gib * 2**30)  # first: serving threads own MLX streams
     deadline = time.monotonic() + a.max_seconds
@@ -356,7 +397,7 @@ def main(argv=None) -> int:
             print(f"starting {label} ...", file=sys.stderr, flush=True)
             handles[label] = (_serve(serve_args, model, tokenizer, a.max_tokens) if a.in_process
                               else ServerProcess(serve_args, model, a.model, a.max_tokens))
-            run_cell(label, handles[label], 1, 1, a.max_tokens, context, deadline, a.timeout)  # warm-up
+            run_cell(label, handles[label], 1, 1, a.max_tokens, warm_context, deadline, a.timeout, a.model)  # warm-up
         for level in a.concurrency:
             n = max(a.min_requests, level * a.requests_per_client)
             for r in range(a.rounds):
@@ -367,15 +408,16 @@ def main(argv=None) -> int:
                         continue
                     print(f"{label}: {n} requests from {level} clients (round {r + 1}/{a.rounds}) ...",
                           file=sys.stderr, flush=True)
-                    cell = run_cell(label, handles[label], n, level, a.max_tokens, context, deadline, a.timeout)
+                    cell = run_cell(label, handles[label], n, level, a.max_tokens, context, deadline, a.timeout, a.model)
                     cells.append(dict(cell, round=r))
     finally:
         for handle in handles.values():
             handle.close()
     rows = pool(cells)
     print(f"concurrency levels {a.concurrency}, {a.rounds} round(s) of max({a.min_requests}, {a.requests_per_client} "
-          f"x clients) requests per cell, {a.max_tokens} completion tokens max, shared context "
-          f"~{len(tokenizer.encode(context))} tokens, model {a.model}")
+          f"x clients) requests per cell, {a.max_tokens} completion tokens max, "
+          + (f"{len(context)} distinct contexts of ~{a.context_tokens} tokens" if a.distinct_contexts else
+             f"shared context ~{len(tokenizer.encode(context))} tokens") + f", model {a.model}")
     print(_table(rows))
     print()
     print(_capacity_table(cap, a.capacity_tokens, a.budget_gib))

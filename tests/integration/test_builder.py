@@ -198,3 +198,68 @@ def test_key_rotation_reaches_the_block_keys_and_spares_the_windows(tmp_path):
     assert mx.allclose(a, b, atol=1e-5).item()
     with pytest.raises(ValueError, match="key_rotation has 2 entries"):
         vq.make_prompt_cache(model, "tq-4b", key_rotation=["none", "haar"])
+
+
+def _fresh_copy(model):
+    """A new model object with ``model``'s weights (the builder keeps one probe per model object)."""
+    from mlx.utils import tree_flatten
+
+    new = type(model)(model.args)
+    new.load_weights(list(tree_flatten(model.parameters())))
+    return new
+
+
+def test_key_rotation_probe_unrotates_block_keys_without_a_calibration(skewed, tiny_model, tmp_path):
+    """No calibration, no ``key_rotation``: the block keys of the layers the probe flags are coded without a
+    rotation, said in one line; an explicit ``key_rotation`` and per-token codes are left alone; a saved cache
+    loads with what it was coded with and continues as the uninterrupted one."""
+    from veloxquant_mlx.cache.prompt_cache_io import load_prompt_cache, save_prompt_cache
+
+    prompt = mx.array([[(7 * i) % 60 + 1 for i in range(200)]])
+    builder = KVCacheBuilder("tq-4b")
+    caches = builder.build(skewed)
+    skewed(prompt, cache=caches)
+    assert [c.rows.k_codec.rotation.kind for c in caches] == ["none"] * len(skewed.layers)
+    layers = ", ".join(map(str, range(len(skewed.layers))))
+    assert sum(f"key-rotation probe: the block keys of layers {layers} coded" in n for n in builder.notes) == 1
+    plain = KVCacheBuilder("tq-4b")
+    rotated = plain.build(tiny_model)
+    tiny_model(prompt, cache=rotated)
+    assert all(c.rows.k_codec.rotation.kind == "haar" for c in rotated)
+    assert not any("probe" in n for n in plain.notes)
+    forced = vq.make_prompt_cache(skewed, "tq-4b", key_rotation="haar")
+    skewed(prompt, cache=forced)
+    assert all(c.rows.k_codec.rotation.kind == "haar" for c in forced)
+    assert all(c.options.key_rotation is None for c in vq.make_prompt_cache(skewed, k_bits=4, codec="affine"))
+
+    path = str(tmp_path / "probed.safetensors")
+    save_prompt_cache(path, caches)
+    loaded = load_prompt_cache(path)
+    nxt = mx.array([[5]])
+    assert [c.options.key_rotation for c in loaded] == ["none"] * len(skewed.layers)
+    assert mx.array_equal(skewed(nxt, cache=loaded), skewed(nxt, cache=caches)).item()
+
+
+def test_key_rotation_probe_runs_once_per_model_and_a_failure_is_said(tiny_model, monkeypatch):
+    from veloxquant_mlx.integration import builder as builder_module
+
+    calls = []
+    real = builder_module.probe_key_rotations
+    monkeypatch.setattr(builder_module, "probe_key_rotations", lambda m: calls.append(m) or real(m))
+    model = _fresh_copy(tiny_model)
+    for _ in range(3):
+        vq.make_prompt_cache(model, "tq-4b")
+    vq.make_prompt_cache(model)  # the default: block keys too, the same probe
+    assert len(calls) == 1
+
+    def boom(m):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(builder_module, "probe_key_rotations", boom)
+    other = _fresh_copy(tiny_model)
+    b = KVCacheBuilder("tq-4b")
+    caches = b.build(other)
+    other(mx.array([[1, 2, 3]]), cache=caches)
+    assert [n for n in b.notes if "probe" in n] == ["key-rotation probe failed (RuntimeError: boom): block keys "
+                                                    "keep the rotation"]
+    assert all(c.rows.k_codec.rotation.kind == "haar" for c in caches)

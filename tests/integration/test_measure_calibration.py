@@ -126,3 +126,26 @@ def test_default_text_is_the_prompt_and_the_models_own_greedy_answer(tiny_model,
         assert seq == ids + greedy
     with pytest.raises(ValueError, match="tokens_per_prompt"):
         measure_calibration.default_calibration_tokens(tiny_model, tok, prompts, tokens_per_prompt=0)
+
+
+def test_key_rotation_probe_is_the_calibration_rule_on_seeded_random_ids(tiny_model, skewed):
+    """`probe_key_rotations`: the calibration's per-layer rule (`key_rotations`) on the statistics of `PROBE_TOKENS`
+    random ids from `PROBE_SEED` (the same every call); keys whose loud channels the queries do not read are
+    flagged on every layer, the plain tiny model on none."""
+    from veloxquant_mlx.integration.calibration import key_rotations
+
+    vocab = tiny_model.args.vocab_size
+    ids = np.random.default_rng(measure_calibration.PROBE_SEED).integers(0, vocab, measure_calibration.PROBE_TOKENS)
+    for model in (tiny_model, skewed):
+        a = measure_calibration.calibrate(model, ids.tolist()).arrays
+        probed = measure_calibration.probe_key_rotations(model)
+        assert probed == key_rotations(a["query_power"], a["key_variance"]) == measure_calibration.probe_key_rotations(model)
+        assert len(probed) == len(model.layers)
+    assert measure_calibration.probe_key_rotations(skewed) == ("none",) * len(skewed.layers)
+    assert measure_calibration.probe_key_rotations(tiny_model) == (None,) * len(tiny_model.layers)
+
+
+def test_key_rotation_probe_refuses_a_model_it_cannot_measure(tiny_model, monkeypatch):
+    monkeypatch.setattr(measure_calibration, "vocab_size", lambda model: None)
+    with pytest.raises(ValueError, match="states no vocab_size"):
+        measure_calibration.probe_key_rotations(tiny_model)

@@ -68,10 +68,13 @@ class CacheOptions:
     seed, rotation ("haar" / "hadamard"), jl_dim (QJL sketch length, turboquant_prod only).
     key_rotation: the keys' rotation where they are coded per channel over blocks of tokens (the block key codecs:
         affine_block, kblock_*), instead of ``rotation``: "haar", "hadamard" or "none" (the model's own channels);
-        one value, or a tuple with one per layer; None = ``rotation``. A sliding window codes per token and keeps
-        ``rotation``. Without a rotation each channel is coded within its own range over a block: better where
-        the model's key channels differ in scale (Gemma 3's full-attention layers: KL 0.042 -> 0.006 on the
-        Bible at tq-4b's bytes), worse where they do not (SmolLM2); see BENCHMARKS.md, issue 55.
+        one value, or a tuple with one per layer; None = ``rotation``, except that the cache builder sets "none"
+        on the layers a calibration (or, without one, its key-rotation probe on random token ids:
+        `veloxquant_mlx.integration.measure_calibration.probe_key_rotations`) finds better unrotated; set it to
+        skip both. A sliding window codes per token and keeps ``rotation``. Without a rotation each channel is
+        coded within its own range over a block: better where the model's key channels differ in scale (Gemma 3's
+        full-attention layers: uncalibrated tq-4b's KL on the Bible 0.0587 -> 0.0267 at 2048 tokens), worse where
+        they do not (SmolLM2, where the probe flags no layer); see BENCHMARKS.md, issue 55.
     head_dim: checked against the model's when set (the builder fills it in).
     short_window / short_window_bits: a sliding-window layer (mlx_lm's ``RotatingKVCache``) of at most
         ``short_window`` tokens codes its keys and values at no fewer than ``short_window_bits`` bits (0: no such

@@ -24,6 +24,7 @@ from mlx_lm.models import cache as mlx_cache
 from veloxquant_mlx.attention import hook
 from veloxquant_mlx.integration.calibration import Calibration
 from veloxquant_mlx.codecs import codec_layout
+from veloxquant_mlx.integration.measure_calibration import probe_key_rotations
 from veloxquant_mlx.integration.routing import hold_while_alive
 from veloxquant_mlx.integration.scan import (_model_modules, _reads_member_arrays, attention_is_routable,
                                              fetches_real_arrays, uniform_head_dim)
@@ -106,6 +107,29 @@ class KVCacheBuilder:
                                     key_rotation=_calibrated_key_rotation(o, cal, i))
                 for i, o in enumerate(per_layer)]
 
+    def _probed(self, model, base: List[Any], per_layer: List[Any]) -> List[Any]:
+        """Without a calibration, each layer's key rotation where its options leave it open, from the model's own
+        queries and keys on random token ids (`probe_key_rotations`, once per model); the layers it unrotates, or
+        why it could not run, go to `notes`."""
+        if self.calibration is not None or not any(_open_key_rotation(o) for o in per_layer):
+            return per_layer
+        choice, why = _probe(model, base)
+        if choice is None:
+            if why:
+                self.notes.append(f"key-rotation probe failed ({why}): block keys keep the rotation")
+            return per_layer
+        if len(choice) != len(per_layer):
+            return per_layer
+        out = [dataclasses.replace(o, key_rotation=r) if r is not None and _open_key_rotation(o) else o
+               for o, r in zip(per_layer, choice)]
+        unrotated = [i for i, (o, r) in enumerate(zip(per_layer, choice)) if r is not None and _open_key_rotation(o)
+                     and type(base[i]) is mlx_cache.KVCache]
+        if unrotated:
+            self.notes.append(f"key-rotation probe: the block keys of layer{'s' if len(unrotated) > 1 else ''} "
+                              f"{', '.join(map(str, unrotated))} coded in the model's own channels, no rotation "
+                              "(their queries read channels whose keys vary little)")
+        return out
+
     def _model_facts(self, model) -> tuple:
         """``(uniform_head_dim, fetches_real_arrays, reads CacheList members raw)`` of ``model``: read from its
         modules and source once (~3 ms), then kept while the builder builds for the same model (every request of
@@ -137,6 +161,7 @@ class KVCacheBuilder:
         per_layer = [self.options.for_layer(i, n_layers, head_dim) for i in range(n_layers)]  # validates first
         per_layer = self._calibrated(model, per_layer)
         self.notes = []  # how the layout was fitted to this head_dim (said by `enable`)
+        per_layer = self._probed(model, base, per_layer)
         if head_dim is not None:  # options no layout can take at this head_dim say so now, not at the first update
             for opts in {o.layer_options() for o in per_layer if o.kind == "packed"}:
                 note = adapted_reason(opts, opts.for_dims(head_dim, head_dim), head_dim, head_dim)
@@ -169,6 +194,40 @@ class KVCacheBuilder:
                                          self._convert(c, options, placeholders) for i, c in enumerate(cache.caches)))
         convert = CACHE_KINDS.get(type(cache))
         return cache if convert is None else convert(cache, options, placeholders)  # SSM / arrays: the model's own
+
+
+def _open_key_rotation(options) -> bool:
+    """Whether a layer's key rotation is left to the builder: packed, block keys, ``key_rotation`` unset."""
+    return options.kind == "packed" and options.key_rotation is None and codec_layout(options.codec).keys.BLOCKED
+
+
+# id(model) -> (weakref to it, its probe result): one probe per model for every builder (a server builds per request)
+_PROBES: Dict[int, Tuple[Any, Any]] = {}
+# the layouts the probe can run on (it measures through plain caches, one per layer)
+_PROBE_LAYOUTS = (mlx_cache.KVCache, mlx_cache.RotatingKVCache)
+
+
+def _probe(model, base: List[Any]) -> Tuple[Optional[Tuple[Optional[str], ...]], str]:
+    """``(probe_key_rotations(model), "")``, kept per model; ``(None, "")`` for a layout or attention it does not
+    measure (hybrid, recurrent, unrouted: their caches keep the rotation), ``(None, why)`` where it failed."""
+    entry = _PROBES.get(id(model))
+    if entry is not None and entry[0]() is model:
+        return entry[1]
+    if not all(type(c) in _PROBE_LAYOUTS for c in base):
+        result = (None, "")
+    elif not attention_is_routable(model):
+        result = (None, "")
+    else:
+        try:
+            result = (probe_key_rotations(model), "")
+        except Exception as e:  # a model the probe cannot run: its caches keep the rotation, and enable says why
+            result = (None, f"{type(e).__name__}: {e}")
+    try:
+        ref = weakref.ref(model, lambda _, key=id(model): _PROBES.pop(key, None))
+    except TypeError:  # (a stand-in model that cannot be weakly referenced: probe again next time)
+        return result
+    _PROBES[id(model)] = (ref, result)
+    return result
 
 
 def _calibrated_key_rotation(options, cal, layer: int):

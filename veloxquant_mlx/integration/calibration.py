@@ -38,6 +38,14 @@ WEIGHTS = ("key_weights", "value_weights")
 STATISTICS = ("key_variance", "query_power", "value_power", "output_power")
 
 
+def key_rotations(query_power: mx.array, key_variance: mx.array) -> Tuple[Optional[str], ...]:
+    """Per layer of ``(layers, kv_heads, head_dim)`` statistics: ``"none"`` where every KV head's
+    `unrotated_score_error` is below `UNROTATED_BELOW` (its block keys coded in the model's own channels), else None."""
+    below = mx.stack([mx.all(unrotated_score_error(query_power[i], key_variance[i]) < UNROTATED_BELOW)
+                      for i in range(query_power.shape[0])])
+    return tuple("none" if b else None for b in below.tolist())
+
+
 def _array_bytes(a: mx.array) -> bytes:
     if a.dtype == mx.bfloat16:  # (NumPy has no bfloat16: hash its bits)
         a = a.view(mx.uint16)
@@ -123,9 +131,7 @@ class Calibration:
     @cached_property
     def _key_rotations(self) -> Tuple[Optional[str], ...]:
         # every layer in one evaluation, once: the builder asks per layer for every request a server builds
-        qp, kv = self.arrays["query_power"], self.arrays["key_variance"]
-        below = mx.stack([mx.all(unrotated_score_error(qp[i], kv[i]) < UNROTATED_BELOW) for i in range(self.layers)])
-        return tuple("none" if b else None for b in below.tolist())
+        return key_rotations(self.arrays["query_power"], self.arrays["key_variance"])
 
     def check_model(self, model) -> None:
         """ValueError naming both models unless ``model`` is the one this calibration was measured on."""

@@ -17,17 +17,18 @@ any model with a chat template.
 from __future__ import annotations
 
 import time
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm import generate as mlx_generate
 from mlx_lm.models.cache import KVCache
 
-from veloxquant_mlx.integration.calibration import Calibration, model_fingerprint
+from veloxquant_mlx.integration.calibration import Calibration, key_rotations, model_fingerprint
 from veloxquant_mlx.quant.channel_weights import channel_weights
 from veloxquant_mlx.integration.scan import attention_is_routable
 from veloxquant_mlx.integration.routing import use_packed_attention
-from veloxquant_mlx.integration.model_shape import model_kv_shape
+from veloxquant_mlx.integration.model_shape import model_kv_shape, vocab_size
 from veloxquant_mlx.validate import check_finite, check_int
 
 DEFAULT_PROMPTS = (
@@ -38,6 +39,10 @@ DEFAULT_PROMPTS = (
 )
 DEFAULT_TOKENS_PER_PROMPT = 320
 CHUNK = 256
+# The key-rotation probe (`probe_key_rotations`): this many pseudo-random token ids from this seed. 128 ids moved a
+# window layer of Gemma 3 across the threshold with one seed of two; 256 gave the same layers as real text.
+PROBE_TOKENS = 256
+PROBE_SEED = 0
 
 
 class _Recorder(KVCache):
@@ -130,6 +135,19 @@ def calibrate(model, tokens=None, *, tokenizer=None, power: float = 0.25, chunk:
     else:
         seqs = _token_lists(tokens)
         text = {"source": "user", "description": description or "token ids given by the caller"}
+    arrays = _measure(model, seqs, chunk, progress=progress, t0=t0)
+    arrays["key_weights"] = mx.stack([channel_weights(q, k, power) for q, k in
+                                      zip(arrays["query_power"], arrays["key_variance"])])
+    arrays["value_weights"] = mx.stack([channel_weights(o, v, power) for o, v in
+                                        zip(arrays["output_power"], arrays["value_power"])])
+    mx.eval(arrays)
+    text.update(tokens=int(sum(len(s) for s in seqs)), sequences=len(seqs),
+                seconds=round(time.perf_counter() - t0, 1))
+    return Calibration(arrays=arrays, model=model_fingerprint(model), text=text, power=float(power))
+
+
+def _measure(model, seqs: List[List[int]], chunk: int, *, progress: bool = False, t0: float = 0.0) -> dict:
+    """`STATISTICS` of ``model`` over the token sequences ``seqs``: name -> float32 ``(layers, kv_heads, head_dim)``."""
     layers, kv_heads, head_dim = model_kv_shape(model)
     sums = [dict() for _ in range(layers)]
     with use_packed_attention():
@@ -137,8 +155,9 @@ def calibrate(model, tokens=None, *, tokenizer=None, power: float = 0.25, chunk:
             cache = [_Recorder(sums[i]) for i in range(layers)]
             x = mx.array(seq, dtype=mx.int32)[None]
             for s in range(0, x.shape[1], chunk):
-                model(x[:, s: s + chunk], cache=cache)
-                mx.eval([d.get("k2") for d in sums] + [d.get("q2") for d in sums])
+                # the logits too: a pipeline-sharded model sends to the next rank as part of them
+                logits = model(x[:, s: s + chunk], cache=cache)
+                mx.eval([logits] + [d.get("k2") for d in sums] + [d.get("q2") for d in sums])
             if progress:
                 print(f"calibrate: {len(seq)} tokens measured ({time.perf_counter() - t0:.0f} s)", flush=True)
     stats = {name: [] for name in ("key_variance", "query_power", "value_power", "output_power")}
@@ -152,15 +171,25 @@ def calibrate(model, tokens=None, *, tokenizer=None, power: float = 0.25, chunk:
         stats["value_power"].append(s["v2"] / n)
         o = _output_power(model.layers[i], kv_heads, head_dim)
         stats["output_power"].append(mx.ones((kv_heads, head_dim)) if o is None else o)
-    arrays = {name: mx.stack(v).astype(mx.float32) for name, v in stats.items()}
-    arrays["key_weights"] = mx.stack([channel_weights(q, k, power) for q, k in
-                                      zip(arrays["query_power"], arrays["key_variance"])])
-    arrays["value_weights"] = mx.stack([channel_weights(o, v, power) for o, v in
-                                        zip(arrays["output_power"], arrays["value_power"])])
-    mx.eval(arrays)
-    text.update(tokens=int(sum(len(s) for s in seqs)), sequences=len(seqs),
-                seconds=round(time.perf_counter() - t0, 1))
-    return Calibration(arrays=arrays, model=model_fingerprint(model), text=text, power=float(power))
+    return {name: mx.stack(v).astype(mx.float32) for name, v in stats.items()}
+
+
+def probe_key_rotations(model) -> Tuple[Optional[str], ...]:
+    """Per layer: ``"none"`` where its block keys measure better coded in the model's own channels
+    (`veloxquant_mlx.integration.calibration.key_rotations`), else None (the options' rotation), measured
+    on `PROBE_TOKENS` pseudo-random token ids (`PROBE_SEED`): no text at all, so nothing it decides was fitted on
+    anything a user evaluates. Which channels the queries read and how much each key channel varies are the
+    weights' doing: on Gemma 3 270M and SmolLM2-135M random ids flag the same layers as the models' own text
+    (BENCHMARKS.md, issue 55). ValueError as `calibrate` for a model it cannot measure."""
+    vocab = vocab_size(model)
+    if vocab is None:
+        raise ValueError(f"{type(model).__name__} states no vocab_size: the key-rotation probe cannot draw token ids")
+    ids = np.random.default_rng(PROBE_SEED).integers(0, vocab, PROBE_TOKENS).tolist()
+    if not attention_is_routable(model):
+        raise ValueError("the key-rotation probe needs a model whose attention calls mlx_lm's "
+                         "scaled_dot_product_attention (it measures the queries there); this model's attention does not")
+    a = _measure(model, [ids], PROBE_TOKENS)
+    return key_rotations(a["query_power"], a["key_variance"])
 
 
 def _token_lists(tokens) -> List[List[int]]:
