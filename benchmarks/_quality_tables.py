@@ -183,14 +183,21 @@ def _without(run, names):
 
 
 def merge(runs, drop=()):
-    """Several saved runs as one: their contexts and passkey results side by side (later runs win). ``drop``:
+    """Several saved runs as one: their contexts, bits per length and passkey results side by side (later runs
+    win). ``drop``:
     configs whose definition changed after the earlier runs: only the last run's rows of them are kept."""
     runs = [_without(r, drop) for r in runs[:-1]] + runs[-1:] if drop else runs
     out = {"model": runs[0]["model"], "command": " ; ".join(r.get("command", "") for r in runs), "configs": {},
            "corpora": {}, "needle": None}
     for r in runs:
         out["configs"].update(r["configs"])
-        out.setdefault("bits", {}).update(r.get("bits") or {})
+        for name, per in (r.get("bits") or {}).items():  # per length: a run at other lengths adds to them
+            dst = out.setdefault("bits", {}).setdefault(name, {})
+            for key, value in per.items():
+                if isinstance(value, dict):
+                    dst.setdefault(key, {}).update(value)
+                else:
+                    dst[key] = value
         for corpus, per in r["corpora"].items():
             dst = out["corpora"].setdefault(corpus, {"tokens": per["tokens"], "ppl": {}})
             for ctx, rows in per["ppl"].items():

@@ -388,6 +388,7 @@ def main(argv=None) -> int:
     if a.distinct_contexts:  # one per request of the largest cell (a warm-up shares no prefix with them)
         n_max = max(max(a.min_requests, level * a.requests_per_client) for level in a.concurrency)
         context = distinct_contexts(tokenizer, n_max, a.context_tokens)
+        warm_context = CONTEXT  # short: the warm-up leaves no long cache behind
     configs = [c for c in DEFAULT_CONFIGS if not a.only or any(o in c[0] for o in a.only)]
     cap = capacity(model, a.capacity_tokens, a.budget_gib * 2**30)  # first: serving threads own MLX streams
     deadline = time.monotonic() + a.max_seconds

@@ -39,3 +39,9 @@ def test_drop_keeps_only_the_last_runs_rows_of_a_changed_config():
     assert "tq-4b" not in ppl.get("8192", {})  # an earlier run's row of the changed config: gone
     assert ppl["2048"]["tq4-sw"]["kl"] == 0.04  # other configs of the earlier runs stay
     assert merged["configs"]["tq-4b"] == "tq-4b then" and merged["bits"]["tq-4b"]["bits"] == {"2048": 2.0}
+    # a config's bits measured at other lengths by a later run add to the earlier lengths
+    new8k = _run(["tq-4b"], {"tq-4b": _row(0.012)}, context="8192")
+    new8k["bits"]["tq-4b"]["bits"] = {"8192": 1.2}
+    both = merge([old, old8k, new, new8k], drop=["tq-4b"])
+    assert both["bits"]["tq-4b"]["bits"] == {"8192": 1.2}  # dropped: only the last run's
+    assert merge([new, new8k])["bits"]["tq-4b"]["bits"] == {"2048": 2.0, "8192": 1.2}
