@@ -56,10 +56,14 @@ def _rss_mib() -> float:
 def test_peak_rss_of_a_live_process_and_none_for_a_gone_one(server_load):
     if not os.path.exists(f"/proc/{os.getpid()}/status"):
         pytest.skip("no /proc here")
+    import mmap
+
     before = _rss_mib()
-    big = bytearray(64 * 2**20)
-    big[::4096] = b"x" * len(big[::4096])  # touched: resident
+    fresh = mmap.mmap(-1, 64 * 2**20)  # new anonymous pages (malloc may hand back memory already resident)
+    for i in range(0, len(fresh), 4096):
+        fresh[i] = 1  # touched: resident
     now = _rss_mib()
     assert now >= before + 60
     assert server_load.peak_rss_mib(os.getpid()) >= now  # the peak is at least what is resident now
     assert server_load.peak_rss_mib(2**31 - 1) is None
+    fresh.close()
