@@ -20,6 +20,12 @@ What this is and is not (a labelled research mode, not a product path):
 own rotation out of play: keys go in counter-rotated (``Pi^T k``), so the codec codes the model's own channels, and
 come back rotated once more. It tells whether RoPE on codes could skip the rotation: without it a key's RoPE is a
 per-token rotation of the query, O(d) per token; with it, O(d^2) (the query must pass the rotation per token).
+
+``offset=True`` (``quality.py --configs off-NAME``, issue 54): keys stay after RoPE, but what is coded is
+``k_t - R_t mu``, ``mu`` per head the mean of the first update's keys before RoPE (``R_t``: RoPE at position t), and
+``R_t mu`` is added back when read; attention on codes would add ``q . R_t mu`` from per-pair tables, O(d) per token,
+with the codes scored as they are. It tells how much of the pre-RoPE gain is that static offset (``mu``: H x d floats,
+not counted in the bytes).
 """
 from __future__ import annotations
 
@@ -43,8 +49,10 @@ class PreRopeKeys:
     """One layer's cache storing pre-RoPE keys in ``inner`` (one of ours, built with ``fetch_placeholders=False``
     so it returns the decoded history); every other attribute is the inner cache's."""
 
-    def __init__(self, inner, rope: dict, pre_rope: bool = True, unrotated: bool = False):
+    def __init__(self, inner, rope: dict, pre_rope: bool = True, unrotated: bool = False, offset: bool = False):
         self.inner, self.rope, self.pre_rope, self.unrotated = inner, rope, pre_rope, unrotated
+        # (not `offset`: mlx_lm reads the cache's offset) mu (1, H, 1, d) float32: the first update's mean pre-RoPE key
+        self.less_mean, self.mu = offset, None
         self.key_rotation = None
 
     def __getattr__(self, name):  # offset, make_mask, state, nbytes, live_nbytes, ...: the inner cache's
@@ -63,6 +71,11 @@ class PreRopeKeys:
         if keys.shape[0] != 1:
             raise ValueError(f"the pre-RoPE probe runs one sequence, got a batch of {keys.shape[0]}")
         dtype = keys.dtype
+        if self.less_mean:
+            if self.mu is None:
+                self.mu = mx.mean(self._rotate(keys.astype(mx.float32), self.inner.offset, -1.0), axis=2,
+                                  keepdims=True)
+            keys = (keys.astype(mx.float32) - self._at(keys.shape[2], self.inner.offset)).astype(dtype)
         if self.pre_rope:
             keys = self._rotate(keys, self.inner.offset, -1.0)
         if self.unrotated:
@@ -75,7 +88,13 @@ class PreRopeKeys:
         k = k.astype(mx.float32)
         if self.unrotated:
             k = self.key_rotation.apply(k)
+        if self.less_mean:
+            k = k + self._at(k.shape[2], 0)
         return (self._rotate(k, 0, 1.0) if self.pre_rope else k).astype(dtype), v
+
+    def _at(self, n: int, offset: int) -> mx.array:
+        """``R_t mu`` at positions ``offset .. offset + n`` ``(1, H, n, d)``."""
+        return self._rotate(mx.broadcast_to(self.mu, self.mu.shape[:2] + (n, self.mu.shape[-1])), offset, 1.0)
 
     def _codec_rotation(self, d: int):
         """The rotation the inner cache's key codec applies (`make_rotation` shares one object per seed and kind)."""
@@ -92,7 +111,7 @@ class PreRopeKeys:
             raise ValueError("unrotated probe: the inner key codec's rotation is not make_rotation(d, seed, rotation)")
 
 
-def pre_rope_caches(model, caches, pre_rope: bool = True, unrotated: bool = False) -> list:
+def pre_rope_caches(model, caches, pre_rope: bool = True, unrotated: bool = False, offset: bool = False) -> list:
     """``caches`` (one per layer of ``model``, ours, decoded history) wrapped in `PreRopeKeys` with each layer's RoPE;
     a sliding-window layer (the model's own cache a ``RotatingKVCache``: Gemma 3) is left as it is (its slots are
     not its positions), so the lever is measured on the full-attention layers."""
@@ -102,5 +121,5 @@ def pre_rope_caches(model, caches, pre_rope: bool = True, unrotated: bool = Fals
     if len(layers) != len(caches):
         raise ValueError(f"pre-RoPE probe: {len(caches)} caches for {len(layers)} layers")
     windows = [isinstance(c, RotatingKVCache) for c in make_prompt_cache(model)]
-    return [c if w else PreRopeKeys(c, rope_settings(layer.self_attn.rope), pre_rope, unrotated)
+    return [c if w else PreRopeKeys(c, rope_settings(layer.self_attn.rope), pre_rope, unrotated, offset)
             for layer, c, w in zip(layers, caches, windows)]

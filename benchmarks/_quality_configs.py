@@ -162,6 +162,9 @@ OURS = {
     # (CacheOptions.window_recent, "-wr"): local attention reads mostly its newest keys.
     **{f"tq4-r{r}": _budget_variant(4, recent=r) for r in (8, 16)},
     **{f"tq{b}-wr{r}": _budget_variant(b, window_recent=r) for b in (4, 3, 2) for r in (8, 16, 32)},
+    # Issue 54: the budget presets as they are (window rule included) with the coded tail ("-ct": issue 47's layout,
+    # its keys centred; exact until the first coded block, read by the kernel in the same call as the blocks).
+    **{f"tq{b}-ct": _preset_variant(f"tq-{b}b", codec="kblock_vsym8_pt", center_keys=True) for b in (4, 3, 2)},
     # The seed's cache: two b-bit RVQ key streams, float16 values.
     "seed-rvq-b1": dict(kind="rvq", k_bits=1),
     "seed-rvq-b2": dict(kind="rvq", k_bits=2),

@@ -24,7 +24,7 @@ full-attention layers::
 
 Issue 47's key probes wrap one of our configurations (``benchmarks/_prerope.py``; same bytes, attention on the
 decoded history, so no speed): ``pre-NAME`` stores its keys before RoPE, ``nr-NAME`` without its key rotation,
-``prenr-NAME`` both (``--configs pre-tq4-ptc1,nr-tq-4b``).
+``prenr-NAME`` both (``--configs pre-tq4-ptc1,nr-tq-4b``); ``off-NAME`` codes ``k_t - R_t mu`` after RoPE (issue 54).
 
 The CPU build of MLX is slow in float16: the model runs in float32 (mlx_lm's plain cache then stores
 float32, and our exact windows are float32 too, which the byte counts include).
@@ -156,11 +156,13 @@ def _layer_bits_spec(name, spec, kind, k_bits=None, v_bits=None, calibration=Non
                      f"{spec.description}; {what} layers at k{k_bits or '='}/v{v_bits or '='} bits (probe)")
 
 
-# Issue 47's key probes: prefix -> (keys before RoPE, the key codec's rotation taken out)
-PROBES = {"pre": (True, False), "nr": (False, True), "prenr": (True, True)}
+# Issue 47's key probes: prefix -> (keys before RoPE, the key codec's rotation taken out, the static offset R_t mu
+# taken out: issue 54)
+PROBES = {"pre": (True, False, False), "nr": (False, True, False), "prenr": (True, True, False),
+          "off": (False, False, True)}
 
 
-def _pre_rope_spec(name, spec, pre_rope=True, unrotated=False):
+def _pre_rope_spec(name, spec, pre_rope=True, unrotated=False, offset=False):
     """``spec`` (one of ours, not calibrated) storing keys before RoPE and/or without its key rotation
     (`_prerope.PreRopeKeys`): the same codecs and bytes (bits measured from the same options), attention on the
     decoded history."""
@@ -172,9 +174,10 @@ def _pre_rope_spec(name, spec, pre_rope=True, unrotated=False):
         caches = inner(model)
         for c in caches:
             c.fetch_placeholders = False  # the decoded history, to which the probe re-applies RoPE
-        return pre_rope_caches(model, caches, pre_rope, unrotated)
+        return pre_rope_caches(model, caches, pre_rope, unrotated, offset)
 
-    what = " and ".join(w for w, on in (("keys stored before RoPE", pre_rope), ("key rotation out", unrotated)) if on)
+    what = " and ".join(w for w, on in (("keys stored before RoPE", pre_rope), ("key rotation out", unrotated),
+                                        ("the keys' RoPE'd pre-RoPE mean out", offset)) if on)
     return CacheSpec(name, make, "veloxquant", None, f"{spec.description}; {what} (probe)", options=spec.options)
 
 

@@ -1,5 +1,6 @@
 """The SVG plots of ``scripts/results_page.py``, written by hand (no plotting library needed): `svg_scatter` (the
-KL-against-bits plot) and `svg_bars` (the speed plot). Standard library only.
+KL-against-bits plot), `svg_grid` (scatter panels side by side: one per corpus and context) and `svg_bars` (the speed
+plot). Standard library only.
 
 ``results_page.py`` imports them (``from _results_plots import ...``: the script's folder is on ``sys.path`` when
 it runs as ``python scripts/results_page.py``); the names stay importable from ``results_page``.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import html
 import math
+import re
 from typing import List, Sequence, Tuple
 
 
@@ -86,5 +88,25 @@ def svg_bars(bars: Sequence[Tuple[str, float]], xlabel: str, title: str, referen
     s.append(f'<line x1="{px(reference):.1f}" y1="{top}" x2="{px(reference):.1f}" y2="{y_end}" stroke="black" '
              f'stroke-dasharray="4 3"/>')
     s.append(f'<text x="{(left + width - right) / 2}" y="{y_end + 28}" text-anchor="middle">{_esc(xlabel)}</text>')
+    s.append("</svg>")
+    return "\n".join(s) + "\n"
+
+
+def svg_grid(panels: Sequence[str], columns: int = 2) -> str:
+    """Whole SVG pictures (`svg_scatter` output) as panels of one picture, ``columns`` a row, each at its own size."""
+    sizes = [(float(re.search(r'width="([\d.]+)"', p).group(1)), float(re.search(r'height="([\d.]+)"', p).group(1)))
+             for p in panels]
+    if not panels:
+        return '<svg xmlns="http://www.w3.org/2000/svg" width="1" height="1"/>\n'
+    col_w = max(w for w, _ in sizes)
+    rows = [sizes[i:i + columns] for i in range(0, len(sizes), columns)]
+    row_h = [max(h for _, h in r) for r in rows]
+    width, height = col_w * min(columns, len(panels)), sum(row_h)
+    s = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:g}" height="{height:g}" '
+         f'viewBox="0 0 {width:g} {height:g}" font-family="sans-serif" font-size="11">']
+    for i, panel in enumerate(panels):
+        x, y = col_w * (i % columns), sum(row_h[: i // columns])
+        body = panel.strip().replace("<svg ", f'<svg x="{x:g}" y="{y:g}" ', 1)
+        s.append(body)
     s.append("</svg>")
     return "\n".join(s) + "\n"

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from veloxquant_mlx.cache.presets import BUDGETS, DEFAULT_NAME  # noqa: E402
 # The SVG plots (written by hand) live in _results_plots.py.
-from _results_plots import svg_bars, svg_scatter  # noqa: E402
+from _results_plots import svg_bars, svg_grid, svg_scatter  # noqa: E402
 
 COMMAND = "python scripts/results_page.py"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
@@ -322,6 +322,8 @@ def page(found: Dict[str, dict], results: Path, plots: Dict[str, str]) -> str:
     for name in QUALITY_FILES:
         if name in found:
             out += quality_section(found[name], name, stamp(results, name))
+            if name in plots:
+                out += [f"![KL against bits per corpus and context]({plots[name]})", ""]
     if "e2e_speed.json" in found:
         e = found["e2e_speed.json"]
         out += [f"## Speed at a long prompt (`results/e2e_speed.json`, {stamp(results, 'e2e_speed.json')})", "",
@@ -354,6 +356,22 @@ def page(found: Dict[str, dict], results: Path, plots: Dict[str, str]) -> str:
 
 # ----------------------------------------------------------------------------------------------------- plots
 
+def quality_panels(q: dict) -> List[str]:
+    """A quality.py JSON's KL against bits (every stored byte, as that run measured them), one scatter per corpus and
+    context: our configurations as circles, mlx_lm's caches as squares, the plain cache (the KL reference) left out."""
+    model = MODEL_NAMES.get(q.get("model"), q.get("model", "model"))
+    panels = []
+    for corpus, per in q.get("corpora", {}).items():
+        for ctx in sorted(per.get("ppl", {}), key=int):
+            pts = [(n, r["memory"]["bits_per_coordinate"], r["kl"], n.startswith("mlx-"))
+                   for n, r in per["ppl"][ctx].items() if n != PLAIN and r.get("memory")]
+            if pts:
+                panels.append(svg_scatter(pts, "bits per coordinate (every stored byte)", "KL (nats/token, log)",
+                                          f"{model}, {CORPUS_NAMES.get(corpus, corpus)}, {ctx} tokens", width=560,
+                                          height=360))
+    return panels
+
+
 def plots_of(found: Dict[str, dict]) -> Dict[str, Tuple[str, str]]:
     """plot key -> (file name, SVG text), for the JSONs present."""
     out = {}
@@ -364,6 +382,11 @@ def plots_of(found: Dict[str, dict]) -> Dict[str, Tuple[str, str]]:
         out["kl-bits"] = ("results-kl-bits.svg", svg_scatter(
             pts, "bits per coordinate (every stored byte)", "KL to the plain cache (nats/token, log)",
             f"veloxquant demo, {demo.get('context')}-token slice: KL against bits (squares: mlx_lm's caches)"))
+    for name in QUALITY_FILES:  # KL against bits per corpus and context, every config the run measured
+        if name in found:
+            panels = quality_panels(found[name])
+            if panels:
+                out[name] = (f"results-kl-bits-{name[:-len('.json')]}.svg", svg_grid(panels))
     if "e2e_speed.json" in found:
         e = found["e2e_speed.json"]
         bars = [(r["name"], r["decode_vs_kv"]) for r in speed_rows(e) if r["name"] != PLAIN]

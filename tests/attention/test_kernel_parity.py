@@ -18,6 +18,7 @@ import pytest
 from veloxquant_mlx.attention import kernel
 from veloxquant_mlx.attention.packed_sdpa import CodedPart, ExactPart, reference_one_query
 from veloxquant_mlx.codecs import CODECS
+from veloxquant_mlx.cache.options import CacheOptions
 from veloxquant_mlx.cache.presets import DEFAULT_NAME, resolve_options
 
 TOL = 1e-5
@@ -180,9 +181,9 @@ def test_spans_of_one_coded_part_in_one_pass(codec, spans):
     _close(out, ref)
 
 
-def test_a_small_second_coded_part_is_decoded_a_long_one_is_not():
-    """A per-token codec's old tail (a second coded part of a few tokens) joins the exact tokens decoded; two long
-    coded parts that are not spans of one stay on the reference."""
+def test_a_second_per_token_coded_part_is_read_as_the_tail_a_third_small_one_decoded():
+    """A per-token codec's old tail (a second coded part) is read from its codes in the same call (any length); a
+    third coded part joins the exact tokens decoded when small, and leaves the step to the reference when long."""
     d, R = 64, 2
     o = dataclasses.replace(resolve_options(DEFAULT_NAME), codec="affine").layer_options()
     kc, vc = CODECS["affine"].make(o, d, d)
@@ -199,7 +200,79 @@ def test_a_small_second_coded_part_is_decoded_a_long_one_is_not():
     _close(out, reference_one_query(q, parts, 0.125))
     long = CodedPart(kc, kc.encode(k[:, :, :kernel.DECODED_PART_TOKENS + 1]), vc,
                      vc.encode(v[:, :, :kernel.DECODED_PART_TOKENS + 1]))
-    assert kernel.decode_step(q, [main, long], 0.125) is None
+    with _Answered() as a:
+        out = kernel.decode_step(q, [main, long], 0.125)
+    assert a.n == 1  # (longer than any decoded part: read as the tail)
+    _close(out, reference_one_query(q, [main, long], 0.125))
+    with _Answered() as a:
+        out = kernel.decode_step(q, [main, long, old], 0.125)
+    assert a.n == 1
+    _close(out, reference_one_query(q, [main, long, old], 0.125))
+    assert kernel.decode_step(q, [main, long, long], 0.125) is None
+
+
+def _tailed_parts(d, R, B, n_blocks, n_tail, bits=4, seed=0, center=True):
+    """``kblock_vsym8_pt`` codes: ``n_blocks`` key blocks of 128 tokens, then ``n_tail`` tokens coded per token by
+    the block codec's provisional tail codec (a cache's coded tail), an exact sink token first; queries
+    ``(B, H*R, 1, d)``."""
+    o = CacheOptions(codec="kblock_vsym8_pt", k_bits=bits, v_bits=bits, group_size=128, center_keys=center,
+                     center_values=center).layer_options()
+    kc, vc = CODECS["kblock_vsym8_pt"].make(o, d, d)
+    n = 128 * n_blocks
+    k, v = _rnd((B, 2, n + n_tail, d), seed) * 1.5 + 0.7, _rnd((B, 2, n + n_tail, d), seed + 1)
+    kc.fit(k[:, :, :n])
+    vc.fit(v[:, :, :n])
+    tk = kc.tail_codec()
+    parts = [ExactPart(k[:, :, :1] * 0.3, v[:, :, :1]),
+             CodedPart(kc, kc.encode(k[:, :, :n]), vc, vc.encode(v[:, :, :n])),
+             CodedPart(tk, tk.encode(k[:, :, n:]), vc, vc.encode(v[:, :, n:]))]
+    return _rnd((B, 2 * R, 1, d), seed + 2) * 2, parts
+
+
+@pytest.mark.parametrize("d,R,B,n_tail,center", [(64, 3, 1, 100, True), (256, 4, 1, 127, True), (128, 1, 2, 200, False),
+                                                 (64, 8, 2, 5, True), (96, 2, 1, 31, False)])
+def test_a_coded_tail_is_read_from_its_codes_in_the_same_call(d, R, B, n_tail, center):
+    """The budget layout with a coded tail (``kblock_vsym8_pt``): block codes, per-token provisional key codes and
+    per-token value codes, centred or not, with a batch's pad-slot masks and attention sinks: one kernel call,
+    equal to the reference."""
+    q, parts = _tailed_parts(d, R, B, 2, n_tail, seed=d + R, center=center)
+    masks = None
+    if B == 2:  # row 1's last 3 tail slots are padding
+        m = mx.array([[True] * n_tail, [True] * (n_tail - 3) + [False] * 3]).reshape(2, 1, 1, n_tail)
+        masks = [None, None, m]
+    sinks = _rnd((2 * R,), 7) if B == 1 else None
+    with _Answered() as a:
+        out = kernel.decode_step(q, parts, 0.125, sinks, masks)
+    assert a.n == 1 and a.refused == 0
+    _close(out, reference_one_query(q, parts, 0.125, sinks, masks))
+
+
+def test_a_coded_tail_is_refused_with_a_clear_error_when_malformed():
+    """The raw op checks the tail it is given: a wrong rotation shape or a mask of the wrong length is a
+    ValueError naming it, never a crash."""
+    q, parts = _tailed_parts(64, 2, 1, 1, 20)
+    mod = kernel.compiled_module()
+    tail = parts[2]
+    arrays, layout, (kz, vz) = kernel._tail_arguments(tail, mod)
+    args = kernel._coded_arguments(parts[1], mod)
+    ka, va, second = args
+    qq = mx.zeros((1, 2, 2, 64))
+    ek, ev = mx.zeros((1, 2, 0, 64)), mx.zeros((1, 2, 0, 64))
+
+    def call(tail_arrays):
+        return mod.coded_decode_attention(
+            qq, ka.rotation, va.rotation, ka.w, ka.scales, ka.biases, ka.tokens_last, ka.bits, ka.group, va.w,
+            va.scales, va.biases, va.tokens_last, va.bits, va.group, float(va.zero), ek, ev, ka.mean, va.mean, None,
+            None, None, ka.levels, va.levels, *second, tail=tail_arrays, tail_layout=layout, tail_k_zero=kz,
+            tail_v_zero=vz)
+    empty = mx.zeros((0,))
+    mx.eval(call(arrays + [empty]))  # well formed: runs
+    with pytest.raises(ValueError, match="tail rotations"):
+        call(arrays[:6] + [mx.zeros((32, 32))] + arrays[7:] + [empty])
+    with pytest.raises(ValueError, match="tail mask"):
+        call(arrays + [mx.ones((2, 7), dtype=mx.bool_)])
+    with pytest.raises(ValueError, match="tail keys"):
+        call([arrays[0][:, :, :, :3]] + arrays[1:] + [empty])
 
 
 # -- sliding windows past eviction, through the cache ---------------------------------------------------------------

@@ -113,3 +113,18 @@ def test_unrotated_refuses_a_cache_without_a_rotated_key_codec(tiny_model):
     k = mx.zeros((1, 1, 3, 64))
     with pytest.raises(ValueError, match="rotation"):
         cache.update_and_fetch(k, k)
+
+
+def test_offset_probe_codes_keys_less_their_roped_mean_and_gives_them_back(tiny_model):
+    """``offset=True``: an exact inner cache gives the plain logits; what it holds is each key less ``R_t mu``, mu the
+    first update's mean key before RoPE (so the first update's stored keys, RoPE undone, average to zero)."""
+    toks = mx.random.randint(0, 128, (1, 96), key=mx.random.key(6))
+    plain = _run(tiny_model, [KVCache() for _ in tiny_model.layers], toks)
+    inner = [KVCache() for _ in tiny_model.layers]
+    probe = _run(tiny_model, pre_rope_caches(tiny_model, inner, pre_rope=False, offset=True), toks)
+    assert float(mx.abs(plain - probe).max()) < 1e-4 * float(mx.abs(plain).max())
+    r = rope_settings(tiny_model.layers[0].self_attn.rope)
+    held = inner[0].state[0][:, :, :40]  # the first update's 40 keys, as stored (after RoPE, less R_t mu)
+    pre = mx.fast.rope(held, r["dims"], traditional=r["traditional"], base=r["base"], scale=-r["scale"], offset=0)
+    assert float(mx.abs(mx.mean(pre, axis=2)).max()) < 1e-4
+    assert float(mx.abs(mx.mean(held, axis=2)).max()) > 1e-3  # (not the post-RoPE mean: the offset rotates)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from veloxquant_mlx import use_packed_attention
+from veloxquant_mlx.attention.packed_sdpa import reference_one_query
 from veloxquant_mlx.cache.packed_cache import TurboQuantBatchPackedCache
 from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache, TurboQuantRotatingPackedCache
 from _batch_cache_helpers import (
@@ -37,12 +38,40 @@ def test_batch_cache_holds_exactly_what_each_sequence_holds_alone(name):
     codes, fitted parameters and exact windows equal its cache alone bit for bit (pad tokens never enter a block:
     the block scales see only the row's tokens), and attention per row matches."""
     options = CONFIGS[name]
-    lengths = (5, 70, 33, 2, 100)
+    # (a coded tail is cache-wide: every row here has a block from the prompt on, see the test after this one)
+    lengths = (130, 170, 140, 135, 200) if "_pt" in name else (5, 70, 33, 2, 100)
     alone, batch, diffs = _run_cache_level(options, lengths, decode_steps=40)
     assert max(diffs) < 1e-5, diffs
     assert batch.offset.tolist() == [c.offset for c in alone]
     for i, c in enumerate(alone):
         _states_equal(batch.extract(i), c)
+
+
+@pytest.mark.parametrize("name", ["kblock_vsym8_pt-k4v4", "kblock_vsym8_pt-k4v4-centred"])
+def test_a_coded_tail_is_exact_until_some_row_codes_a_block(name):
+    """A layout that codes the tokens waiting for their key block holds them exact while no row has coded a block
+    (a short chat attends as mlx_lm's cache does), then coded for every row, the short rows included: a batch of
+    short rows holds what each holds alone, exact; once a long row codes a block, the short rows' waiting tokens
+    are coded too, and attention per row still reads exactly its stored tokens."""
+    options = CONFIGS[name]
+    alone, batch, diffs = _run_cache_level(options, (5, 20, 2), decode_steps=8)  # no row reaches a block (1 + 128)
+    assert max(diffs) < 1e-5, diffs
+    assert batch.rows.tail.coder is None and not any(batch.rows.coded)
+    for i, c in enumerate(alone):
+        _states_equal(batch.extract(i), c)
+    exact = batch.rows.tail.nbytes
+    alone, batch, _ = _run_cache_level(options, (5, 150, 2), decode_steps=8)
+    assert batch.rows.tail.coder is not None and batch.rows.coded[1] and not batch.rows.coded[0]
+    q = mx.array(np.random.default_rng(7).standard_normal((3, 2 * H, 1, D)), mx.float32)
+    with use_packed_attention():
+        got = batch.attend_packed(q, D ** -0.5, None)
+    for i in range(3):  # each row reads exactly its own stored parts (its coded tail included)
+        want = reference_one_query(q[i:i + 1], batch.rows.row_parts(i), D ** -0.5)
+        assert mx.abs(got[i:i + 1] - want).max().item() < 1e-5
+    assert mx.abs(got[:1] - alone[0].attend_packed(q[:1], D ** -0.5, None)).max().item() > 1e-6  # (coded, not exact)
+    short = batch.extract(0)  # a short row taken out alone: no block, so its tail is exact again
+    assert short.rows.tail.coder is None and short.offset == alone[0].offset
+    assert batch.rows.tail.nbytes < exact  # coded: 3 rows' tails (one long) in fewer bytes than 3 short rows exact
 
 
 @pytest.mark.parametrize("name", ["affine_block-k8v4", "lloyd_max-k4v4"])

@@ -169,6 +169,41 @@ def test_coded_tail_costs_its_codes_not_floats():
         assert tail_bytes < exact.rows.tail.nbytes / 4
 
 
+def test_coded_tail_is_exact_until_the_first_block_and_again_after_a_trim_below_it():
+    """A short chat (no complete key block yet) holds and attends exactly what the exact-tail layout does (mlx_lm's
+    own answers); the first block is coded from exact tokens, then the waiting tokens are codes (the budget holds);
+    a trim back below the first block makes them exact again (as decoded); a state saved either way restores."""
+    k, v = kv(H=2, T=260, d=64, seed=6)
+    coded, exact = (TurboQuantPackedCache(_budget(4, c)) for c in ("kblock_vsym8_pt", "kblock_vsym8"))
+    q = kv(H=2, T=1, d=64, seed=7)[0]
+    for t in range(0, 128):  # a token at a time: 1 sink + 127 waiting, no block
+        for c in (coded, exact):
+            c.update_and_fetch(k[:, :, t:t + 1], v[:, :, t:t + 1])
+    assert coded.rows.tail.coder is None and coded.n_coded == 0
+    short_out = exact.attend_packed(q, 0.125, None)
+    assert mx.array_equal(coded.attend_packed(q, 0.125, None), short_out).item()
+    assert coded.live_nbytes == exact.live_nbytes
+    short_state = coded.state
+    for c in (coded, exact):
+        c.update_and_fetch(k[:, :, 128:129], v[:, :, 128:129])  # the first block is coded: from exact tokens
+    assert coded.n_coded == exact.n_coded == 128 and coded.rows.tail.coder is not None
+    assert all(mx.array_equal(a, b).item() for a, b in zip(coded.rows.k_codes.arrays.values(),
+                                                            exact.rows.k_codes.arrays.values()))
+    for t in range(129, 260):
+        coded.update_and_fetch(k[:, :, t:t + 1], v[:, :, t:t + 1])
+    assert coded.n_coded == 256 and coded.rows.tail_n[0] == 3 and coded.rows.tail.coder is not None
+    before = coded.keys_and_values()
+    assert coded.trim(140) == 140  # 3 waiting + 128 of the second block + 9 of the first: no block left
+    assert coded.n_coded == 0 and coded.rows.tail.coder is None and coded.rows.tail_n[0] == 119
+    after = coded.keys_and_values()
+    assert all(mx.array_equal(a, b[:, :, :120]).item() for a, b in zip(after, before))  # (as they decoded)
+    back = TurboQuantPackedCache.from_state(short_state)
+    assert back.rows.tail.coder is None and back.offset == 128
+    assert mx.array_equal(back.attend_packed(q, 0.125, None), short_out).item()
+    again = TurboQuantPackedCache.from_state(coded.state)
+    assert again.rows.tail.coder is None and again.offset == 120
+
+
 def test_coded_tail_state_round_trip_trim_and_refusal():
     """A coded tail saves as codes (``t_k_*``, ``t_v_*``) and restores bit for bit; a trim into a coded block
     returns its survivors to the tail as provisional codes; a state holding an exact tail for this layout (or a coded

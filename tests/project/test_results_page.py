@@ -147,6 +147,19 @@ def test_page_plots_and_readme_from_every_json(folders):
     bars = ET.parse(docs / "results-speed.svg").getroot()
     assert "1.27x" in [t.text for t in bars.iter(f"{ns}text")]
     assert "![KL against bits per coordinate](results-kl-bits.svg)" in page
+    # each quality JSON: one KL-against-bits panel per corpus and context (the plain cache, the reference, left out)
+    grid = ET.parse(docs / "results-kl-bits-quality_gemma.svg").getroot()
+    panels = grid.findall(f"{ns}svg")
+    assert len(panels) == 4 and float(grid.get("width")) == 2 * float(panels[0].get("width"))
+    titles = [p.findall(f"{ns}text")[0].text for p in panels]
+    assert titles == ["Gemma 3 270M, Debian, 2048 tokens", "Gemma 3 270M, Debian, 8192 tokens",
+                      "Gemma 3 270M, Bible, 2048 tokens", "Gemma 3 270M, Bible, 8192 tokens"]
+    first = panels[0]  # 2048 tokens: mlx-q8 a square, the default and tq-4b circles, no kv
+    assert len(first.findall(f"{ns}circle")) == 2 and len(first.findall(f"{ns}rect")) == 1 + 1
+    assert {t.text for t in first.iter(f"{ns}text") if t.get("fill")} == {"mlx-q8", DEFAULT_NAME, "tq-4b"}
+    assert len(panels[1].findall(f"{ns}circle")) == 1  # 8192: the default alone
+    assert "![KL against bits per corpus and context](results-kl-bits-quality_gemma.svg)" in page
+    assert "![KL against bits per corpus and context](results-kl-bits-quality.svg)" in page
 
     # the README: only the block between the markers changes; rows: plain, mlx-q8, mlx-q4, default, budgets present
     text = readme.read_text(encoding="utf-8")

@@ -63,10 +63,12 @@ def _take(rows: Rows, idx: List[int], out: Rows) -> Rows:
         if cap:
             dst.arrays = {f: next(got) for f, _ in kv}  # (cap slots)
     if tail:
+        out.tail.coder = rows.tail.coder  # (the rows' kind; rebound to these rows and synced below)
         out.tail.load_raw({k: next(got) for k, _ in tail})
     for which, kv in fitted:
         codec = rows.base[which].with_fitted({k: next(got) for k, _ in kv})
         out.k_codec, out.v_codec = (codec, out.v_codec) if which == 0 else (out.k_codec, codec)
+    out.sync_tail()
     return out
 
 
@@ -94,9 +96,8 @@ def concat_rows(parts: Sequence[Rows]) -> Rows:
     out.tail.dtypes = next((dict(p.tail.dtypes) for p in filled if p.tail.dtypes), {})
     S, L = first.options.sink, max(p.tail.length for p in filled)
 
-    def exact(p: Rows, n: str, d, size: int, right: bool, dt=None) -> mx.array:  # (rows, H, size, *d), zeros padded
-        a = p.sink[n] if not right and p.sink is not None else \
-            (p.tail.live_arrays()[n] if right and p.tail.length else None)
+    def exact(p: Rows, n: str, d, size: int, right: bool, dt=None, tail=None) -> mx.array:  # (rows, H, size, *d)
+        a = p.sink[n] if not right and p.sink is not None else (tail[n] if right and tail else None)  # zeros padded
         pad = size - (0 if a is None else a.shape[2])
         if not pad:
             return a
@@ -107,8 +108,11 @@ def concat_rows(parts: Sequence[Rows]) -> Rows:
     cat = lambda xs: xs[0] if len(xs) == 1 else mx.concatenate(xs, axis=0)  # noqa: E731
     if S and any(p.sink is not None for p in filled):
         out.sink = {n: cat([exact(p, n, d, S, False) for p in parts]) for n, d in zip("kv", dims)}
-    if L:  # (every part's tail is of the layout's one kind: `setup` picks it from the options)
-        out.tail.load_raw({n: cat([exact(p, n, trailing, L, True, dt) for p in parts])
+    if L:  # every part's tail in the kind the joined rows hold (`Rows.sync_tail`): coded once any row has a block
+        coded = out.tail_coder is not None and any(out.coded)
+        out.tail.coder = out.tail_coder if coded else None
+        tails = {id(p): _tail_as(p, coded) for p in filled}
+        out.tail.load_raw({n: cat([exact(p, n, trailing, L, True, dt, tails.get(id(p))) for p in parts])
                            for n, (trailing, dt) in out.tail.fields(dims).items()})
     for name in ("k_codes", "v_codes"):
         store = getattr(out, name)
@@ -126,7 +130,22 @@ def concat_rows(parts: Sequence[Rows]) -> Rows:
             codec = out.base[which].with_fitted({n: cat([r[n] for r in rows]) for n in blank}) if blank \
                 else out.base[which]
         out.k_codec, out.v_codec = (codec, out.v_codec) if which == 0 else (out.k_codec, codec)
+    out.sync_tail()
     return out
+
+
+def _tail_as(rows: Rows, coded: bool) -> Dict[str, mx.array]:
+    """``rows``' live tail arrays as exact ``{"k", "v"}`` (``coded`` False) or as its layout's codes (True);
+    ``rows`` unchanged."""
+    if not rows.tail.length:
+        return {}
+    raw, have = rows.tail.live_arrays(), rows.tail.coder
+    if (have is not None) == coded:
+        return raw
+    if not coded:
+        return have.decode(raw, {n: rows.tail.dtype(n) for n in "kv"})
+    coder = rows.tail_coder.bound(rows.k_codec) if rows.tail_coder.centred else rows.tail_coder
+    return coder.encode(raw)
 
 
 def row_arrays(rows: Rows, i: int) -> Dict[str, Dict[str, mx.array]]:
@@ -166,6 +185,7 @@ def rows_from_arrays(options, window, dims, arrays: Dict[str, Dict[str, mx.array
     if arrays["sink"]:
         rows.tail.dtypes = {n: arrays["sink"][n].dtype for n in ("k", "v") if n in arrays["sink"]}
     if arrays["tail"]:
+        _tail_kind(rows, arrays["tail"])
         rows.tail.load_raw({f: mx.array(a) for f, a in arrays["tail"].items()})
         if rows.tail.coder is None:
             rows.tail.dtypes = {n: a.dtype for n, a in arrays["tail"].items()}
@@ -182,7 +202,14 @@ def rows_from_arrays(options, window, dims, arrays: Dict[str, Dict[str, mx.array
             codec = rows.base[which].with_fitted(fit)
             rows.k_codec, rows.v_codec = (codec, rows.v_codec) if which == 0 else (rows.k_codec, codec)
         rows.fitted = [True] * B
+    rows.sync_tail()
     return rows
+
+
+def _tail_kind(rows: Rows, arrays: Dict[str, mx.array]) -> None:
+    """Hold the tail ``arrays`` are of (checked by the saved state): exact ``{"k", "v"}``, else the layout's codes
+    (`Rows.sync_tail` then makes it the kind the rows' counts call for)."""
+    rows.tail.coder = None if set(arrays) == {"k", "v"} or rows.tail_coder is None else rows.tail_coder
 
 
 def batch_rows_from_arrays(options, window, dims, heads: int, arrays: Dict[str, Dict[str, mx.array]],
@@ -196,6 +223,7 @@ def batch_rows_from_arrays(options, window, dims, heads: int, arrays: Dict[str, 
         rows.sink = dict(arrays["sink"])
         rows.tail.dtypes = {n: a.dtype for n, a in arrays["sink"].items()}
     if arrays["tail"]:
+        _tail_kind(rows, arrays["tail"])
         rows.tail.load_raw(dict(arrays["tail"]))
         if rows.tail.coder is None:
             rows.tail.dtypes = {n: a.dtype for n, a in arrays["tail"].items()}
@@ -205,4 +233,5 @@ def batch_rows_from_arrays(options, window, dims, heads: int, arrays: Dict[str, 
     rows.v_codec = rows.base[1].with_fitted(arrays["v_fit"])
     for name in COUNTS + ("fitted",):
         setattr(rows, name, list(counts[name]))
+    rows.sync_tail()
     return rows

@@ -7,8 +7,10 @@ Each row (sequence) ``i`` keeps, in temporal order, ``[sink | codes | tail]``:
   blocks counted from the row's own first coded token (a row codes the same token sets as it would alone). A
   sliding window evicts the oldest codes after its ``keep`` prefix: slots ``[pin, pin + gone[i])`` are a hole,
   never attended (``pin = keep - sink``), dropped for every row at once when all rows have evicted enough;
-- tail ``(B, H, L, d)`` exact: row i's newest ``tail_n[i]`` tokens, right-aligned (new tokens arrive at the end
-  for every row). The tail holds the last ``recent`` tokens plus up to ``trim_headroom`` older ones (read through
+- tail ``(B, H, L, d)``: row i's newest ``tail_n[i]`` tokens, right-aligned (new tokens arrive at the end
+  for every row); exact, or, for a layout that codes the tokens waiting for their key block (`TailCoder`), coded
+  per token from the moment any row has coded a block (`sync_tail`: until then a short chat attends exactly as
+  mlx_lm's own cache). The tail holds the last ``recent`` tokens plus up to ``trim_headroom`` older ones (read through
   an encode/decode round trip, exactly as coded tokens read) and up to ``code_step - 1`` more that wait for their
   turn: a block codec codes whole blocks, a per-token codec without an exact window ``options.code_batch`` tokens
   at a time (no headroom then: nothing is kept exact that a trim would need). Whole steps are counted from the row's first
@@ -49,7 +51,8 @@ class Rows(RowViews):
         self.sink: Optional[Dict[str, mx.array]] = None  # {"k", "v"}: (B, H, S, d)
         self._sink_views = None  # (sink k, sink v, S, folded part): `_sink_part`
         self.k_codes = self.v_codes = None  # RowCodes
-        self.tail = CodedTail(TAIL_STEP)  # exact, or coded once the codecs are known (`setup`)
+        self.tail = CodedTail(TAIL_STEP)  # exact, or coded once a row codes a block (`sync_tail`)
+        self.tail_coder = None  # the layout's `TailCoder` (None: the tail stays exact), unbound; `setup` sets it
         self.base = None  # (key codec, value codec), unfitted
         self.k_codec = self.v_codec = None  # fitted parameters of every row, folded ``(B*H, ...)``
 
@@ -68,8 +71,35 @@ class Rows(RowViews):
     @property
     def fits_on_arrival(self) -> bool:
         """Whether rows fit before their first token is stored (a tail coded on the fitted key mean)."""
-        coder = self.tail.coder
+        coder = self.tail_coder
         return coder is not None and coder.centred
+
+    def sync_tail(self) -> None:
+        """The tail's kind follows the rows' codes: exact while no row has coded a block (a short chat attends
+        exactly as mlx_lm's cache, the first block is coded from exact tokens), the layout's per-token codes from
+        the first coded block on (the budget holds at every length after it), exact again when a trim removes every
+        block. The tokens move between kinds once: coded from exact, or decoded (as attention read them)."""
+        coder = self.tail_coder if self.tail_coder is not None and any(self.coded) else None
+        if coder is not None and coder.centred and self.k_codec is not None:
+            coder = coder.bound(self.k_codec)
+        current = self.tail.coder
+        if current is None and coder is None:
+            return
+        if current is not None and coder is not None:
+            if current.centred and current.key_codec is not self.k_codec:
+                self.tail.coder = coder  # (the same codes: only the rows' folded means object changed)
+            return
+        if not self.tail.length:
+            self.tail.coder = coder
+            self.tail.load_raw({})  # (no arrays of the other kind's fields)
+            return
+        raw = self.tail.live_arrays()
+        exact = raw if current is None else current.decode(raw, {n: self.tail.dtype(n) for n in "kv"})
+        self.tail.coder = coder
+        if coder is None:
+            self.tail.load_raw(exact)
+        else:
+            self.tail.load(exact)
 
     @property
     def block(self) -> int:
@@ -99,8 +129,9 @@ class Rows(RowViews):
         # full, so attention reads whole contiguous arrays (no slice, no copy inside the quantized matmul).
         grow = self.block if self.block > 1 else CODE_STEP
         self.k_codes, self.v_codes = (RowCodes(c, lay, grow) for c, lay in zip(self.base, layouts))
-        if not self.tail.length:  # (a tail of the layout's own kind; restores load it after this)
-            self.tail.coder = TailCoder.for_codecs(self.options, self.base) if not self.window else None
+        self.tail_coder = TailCoder.for_codecs(self.options, self.base) if not self.window else None
+        if not self.tail.length:  # exact until a row codes a block (`sync_tail`); restores load their kind after this
+            self.tail.coder = None
         self.k_codec, self.v_codec = (self.unfitted(w, self.B) for w in (0, 1))
 
     def unfitted(self, which: int, rows: int):
@@ -255,6 +286,7 @@ class Rows(RowViews):
                     self.v_codes.write_row(i, self.coded[i], v, self.B)
         self.coded = [c + n for c, n in zip(self.coded, n_code)]
         self.tail_n = [t - n for t, n in zip(self.tail_n, n_code)]
+        self.sync_tail()
         # A batch's rows code at their own steps: dropping every few slots of padding at once (one copy of the
         # whole tail per coded block) cost more than attending them masked; at most a step of them waits.
         self.drop_tail_padding(1 if self.B == 1 else step)
@@ -339,12 +371,14 @@ class Rows(RowViews):
             if self.block > 1:  # a block store stays exactly full
                 self.k_codes.truncate(cut)
                 self.v_codes.truncate(cut)
+            self.sync_tail()  # (no block left: the survivors join an exact tail as they decode, no second rounding)
             if survivors:
                 self.tail.append({"k": k[:, :, :survivors], "v": v[:, :, :survivors]})
                 self.tail_n[0] += survivors
             left -= drop
         self.sink_n[0] -= min(left, self.sink_n[0])
         self.lengths[0] -= n
+        self.sync_tail()
 
     # -- bytes and copies -----------------------------------------------------------------------------
     def arrays(self) -> List[mx.array]:

@@ -149,8 +149,8 @@ class RowViews:
                                           self.row_codec(1, i), self.v_codes.row_view(i, lo, hi)))
             parts[-1].within = None if whole is None else (whole, lo, hi)  # (the kernel: one pass)
         if self.tail_n[i] and self.tail.coder is not None:
-            # a coded tail is one more coded part (provisional keys, values as coded): the kernel decodes it each
-            # step beside the exact tokens (`kernel.DECODED_PART_TOKENS`), the reference reads it like any codes
+            # a coded tail is one more coded part (provisional keys, values as coded): the kernel reads it from its
+            # codes in the same call as the blocks (`kernel._tail_arguments`), the reference like any codes
             L, coder = self.tail.length, self.tail.coder
             store = self.tail.raw
             memo = getattr(self, "_tail_parts", {}).get(i)

@@ -208,9 +208,12 @@ def _check_exact(cls, name: str, arrays: Dict[str, mx.array], dims) -> None:
         raise _fail(cls, f"the {name} window's 'k' and 'v' disagree on (B, H, n)")
 
 
-def _check_tail(cls, arrays: Dict[str, mx.array], dims, coder, codec: str, prefix: str) -> int:
+def _check_tail(cls, arrays: Dict[str, mx.array], dims, coder, codec: str, prefix: str, coded: bool = True) -> int:
     """The tail's arrays (``prefix*``) as this layout stores them (exact ``k`` / ``v``, or ``coder``'s fields); its
-    token count."""
+    token count. ``coded``: whether the rows hold coded blocks; before the first (`Rows.sync_tail`), a layout with a
+    coder holds its tail exact, and a state saved coded then (by an earlier version) is read too."""
+    if coder is not None and not coded and set(arrays) == {"k", "v"}:
+        coder = None
     if coder is None:
         _check_exact(cls, "tail", arrays, dims)
         return arrays["k"].shape[2]
@@ -254,7 +257,8 @@ def restore_rows(cls, state: Dict[str, Any], meta: Dict[str, Any], options, wind
         _check_exact(cls, "sink", loaded[s_], dims)
     counts[s_] = loaded[s_]["k"].shape[2] if loaded[s_] else 0
     coder = None if window else TailCoder.for_codecs(options, codecs)
-    counts[t_] = _check_tail(cls, loaded[t_], dims, coder, options.codec, t_) if loaded[t_] else 0
+    counts[t_] = _check_tail(cls, loaded[t_], dims, coder, options.codec, t_,
+                             bool(meta["stores"]["codes"])) if loaded[t_] else 0
     for prefix, codec in ((kc_, codecs[0]), (cv_, codecs[1])):
         if loaded[prefix]:
             try:
@@ -358,7 +362,8 @@ def restore_batch_rows(cls, state: Dict[str, Any], meta: Dict[str, Any], batch: 
         if S != batch.options.sink:
             raise _fail(cls, f"the sink arrays hold {S} slots, expected sink={batch.options.sink}")
     tail = take("tail")
-    L = _check_tail(cls, tail, batch.dims, batch.tail.coder, batch.options.codec, prefixes["tail"]) if tail else 0
+    L = _check_tail(cls, tail, batch.dims, batch.tail_coder, batch.options.codec, prefixes["tail"],
+                    any(rows["coded"])) if tail else 0
     if tail and tail[next(iter(tail))].shape[:2] != (B, H):
         raise _fail(cls, f"the tail window's arrays must hold (B, H) = ({B}, {H}), got "
                          f"{tuple(tail[next(iter(tail))].shape[:2])}")

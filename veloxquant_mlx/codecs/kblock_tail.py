@@ -2,7 +2,8 @@
 
 ``kblock_vsym8`` codes keys per rotated channel over 128-token blocks, so the newest up to 127 tokens of a cache wait
 for their block; held exact (float32 on this CPU) they cost up to ~2 bits per coordinate at 2048 tokens on top of the
-layout's b + 0.1875 (issue 47). This layout stores them as codes from the moment they arrive:
+layout's b + 0.1875 (issue 47). This layout stores them as codes from the moment they arrive, once the cache holds
+a coded block (before it, a short chat's tokens stay exact: `veloxquant_mlx.cache.row_policy.Rows.sync_tail`):
 
 - values: per token already (symmetric, one-byte log scale per 64 coordinates): a waiting value is coded on arrival
   with the value codec itself, and its codes move unchanged into the value store when the key block completes (no
@@ -15,7 +16,8 @@ layout's b + 0.1875 (issue 47). This layout stores them as codes from the moment
 A waiting key costs ``b + TAIL_EXTRA_BITS + 0.125`` bits against the block's ``b + 0.25``: with at most 127 of
 them the layout stays within the ``b + 0.25`` budget at every length the budget presets are measured at (2048,
 3000, 4096 tokens; `veloxquant_mlx.apps.eval.memory.measure_bits`). The cache (`veloxquant_mlx.cache.row_policy`) reads the
-tail codec from the key codec (`tail_codec`); the value codec codes its own tail (`codes_tail`).
+tail codec from the key codec (`tail_codec`); the value codec codes its own tail (`codes_tail`). The compiled
+attention reads the coded tail from its codes in the same call as the blocks (`veloxquant_mlx.attention.kernel`).
 """
 from __future__ import annotations
 

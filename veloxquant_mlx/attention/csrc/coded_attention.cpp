@@ -429,6 +429,9 @@ struct Problem {
   bool emask_rows = false;  // emask (G*R, ne): one per query row (a prompt chunk's causal tail), else (G, ne)
   const float* sinks = nullptr;  // (G, R), log2 units
   float* out = nullptr;
+  // A second coded part (a cache's coded tail: tokens waiting for their key block, coded per token), read in the
+  // same pass and the same softmax: its own codes, rotations, means and mask; no spans, no second streams.
+  const Problem* tail = nullptr;
 };
 
 // One task's online-softmax state for R query rows: running max m, sum l, unnormalized output o (R x dv).
@@ -436,6 +439,7 @@ struct Partial {
   float m[MAX_R], l[MAX_R];
   float* o = nullptr;
   bool coded = false;
+  bool tail = false;  // (coded) of the second coded part: its values in its own rotated domain
 };
 
 // ---- tile kernels: rows of a query group in blocks of up to 3 (accumulators stay in vector registers) ----
@@ -961,6 +965,7 @@ void init_partial(Partial& P, int R, int dv, bool coded) {
   }
   std::fill(P.o, P.o + R * dv, 0.0f);
   P.coded = coded;
+  P.tail = false;  // (partials are reused across calls: the tail task sets it after)
 }
 
 // How R query rows read the default's codes: 4 or 2 vectors per row block straight from the codes (row_plan),
@@ -1187,7 +1192,9 @@ void solve(const Problem& pr) {
       ranges.push_back({a, std::min(hi, a + tiles_per * TILE), lo});
   }
   const int64_t chunks = int64_t(ranges.size());
-  int64_t per_g = chunks + (pr.ne ? 1 : 0);
+  // the tail: whole tiles, one chunk per head (it is short: at most a key block)
+  const int64_t tail_n = pr.tail ? pr.tail->n : 0, tail_chunks = tail_n ? 1 : 0;
+  int64_t per_g = chunks + tail_chunks + (pr.ne ? 1 : 0);
   // Reused across calls (one decode step per layer): no allocation, no page faults per step.
   static thread_local std::vector<Partial> parts_buffer;
   static thread_local std::vector<float> outs;
@@ -1201,10 +1208,13 @@ void solve(const Problem& pr) {
     if (i < chunks) {
       const auto& c = ranges[size_t(i)];
       coded_task(pr, g, c[0], c[1], c[2], P);
+    } else if (i < chunks + tail_chunks) {
+      coded_task(*pr.tail, g, 0, tail_n, 0, P);
+      P.tail = true;
     } else {
       exact_task(pr, g, P);
     }
-  }, pr.G * (covered + pr.ne) >= PARALLEL_MIN_TOKENS);
+  }, pr.G * (covered + tail_n + pr.ne) >= PARALLEL_MIN_TOKENS);
   const int R = pr.R, dv = pr.dv;
   for (int64_t g = 0; g < pr.G; ++g) {
     for (int r = 0; r < R; ++r) {
@@ -1217,25 +1227,36 @@ void solve(const Problem& pr) {
         sink_w = exp2_nonpositive(sl - m2);
         m = m2;
       }
-      float l = sink_w, wc = 0.0f;
-      float orot[MAX_D], oex[MAX_D];
+      float l = sink_w, wc = 0.0f, wt = 0.0f;
+      float orot[MAX_D], otail[MAX_D], oex[MAX_D];
       std::fill(orot, orot + dv, 0.0f);
+      std::fill(otail, otail + dv, 0.0f);
       std::fill(oex, oex + dv, 0.0f);
       for (int64_t i = 0; i < per_g; ++i) {
         const Partial& P = parts[size_t(g * per_g + i)];
         float a = exp2_nonpositive(P.m[r] - m);
         l += a * P.l[r];
-        float* acc = P.coded ? orot : oex;
-        if (P.coded) wc += a * P.l[r];
+        float* acc = P.tail ? otail : P.coded ? orot : oex;
+        if (P.tail) wt += a * P.l[r];
+        else if (P.coded) wc += a * P.l[r];
         for (int c = 0; c < dv; ++c) acc[c] += a * P.o[r * dv + c];
       }
       float* out = pr.out + (g * R + r) * dv;
-      const float* vmu = pr.vmu ? pr.vmu + (g % pr.vmu_rows) * dv : nullptr;
       float acc[MAX_D];
-      for (int c = 0; c < dv; ++c) acc[c] = oex[c] + (vmu ? wc * vmu[c] : 0.0f);
-      for (int j = 0; j < dv; ++j) {  // invert: y @ Pi, row by row (independent lanes, not one chain per output)
-        const float y = orot[j], *row = pr.pv + j * dv;
-        for (int c = 0; c < dv; ++c) acc[c] += y * row[c];
+      for (int c = 0; c < dv; ++c) acc[c] = oex[c];
+      // each coded part's values: y @ Pi back from its rotated domain, row by row (independent lanes, not one
+      // chain per output), plus its mean with its total weight
+      for (const Problem* part : {&pr, pr.tail}) {
+        if (!part) continue;
+        const bool is_tail = part != &pr;
+        const float* vmu = part->vmu ? part->vmu + (g % part->vmu_rows) * dv : nullptr;
+        const float w = is_tail ? wt : wc, *o = is_tail ? otail : orot;
+        if (vmu)
+          for (int c = 0; c < dv; ++c) acc[c] += w * vmu[c];
+        for (int j = 0; j < dv; ++j) {
+          const float y = o[j], *row = part->pv + j * dv;
+          for (int c = 0; c < dv; ++c) acc[c] += y * row[c];
+        }
       }
       for (int c = 0; c < dv; ++c) out[c] = acc[c] / l;
     }
@@ -1252,12 +1273,17 @@ struct Params {
   bool has_kb, has_kmu, has_vmu, has_vb, has_cmask, has_emask, has_sinks, has_klev, has_vlev;
   int k2_bits, k2_group, v2_bits;  // 0: no second stream
   bool k2_summed;
+  // the tail (Problem::tail), codes tokens first: t_k_bits 0 when there is none
+  int t_k_bits, t_k_group, t_v_bits, t_v_group;
+  float t_k_zero, t_v_zero;  // symmetric levels' zero where there are no biases
+  bool t_has_kb, t_has_vb, t_has_kmu, t_has_vmu, t_has_cmask;
 
   bool operator==(const Params& o) const { return std::memcmp(this, &o, sizeof(Params)) == 0; }
 };
 
 // inputs: q, pk, pv, kw, ks, [kb], vw, vs, [vb], ek, ev, [kmu], [vmu], [cmask], [emask], [sinks], [k_levels],
-// [v_levels], [k2w, k2s, pk2, k2_levels], [v2w, v2_levels]
+// [v_levels], [k2w, k2s, pk2, k2_levels], [v2w, v2_levels], [tkw, tks, [tkb], tvw, tvs, [tvb], tpk, tpv, [tkmu],
+// [tvmu], [tcmask]]
 class CodedDecodeAttention : public UnaryPrimitive {
  public:
   CodedDecodeAttention(Stream s, Params p, std::vector<int64_t> spans)
@@ -1314,6 +1340,21 @@ void CodedDecodeAttention::eval_cpu(const std::vector<array>& inputs, array& out
     if (p.v2_bits) {
       v2w = &inputs[i++];
       v2lev = &inputs[i++];
+    }
+    const array *tkw = nullptr, *tks = nullptr, *tkb = nullptr, *tvw = nullptr, *tvs = nullptr, *tvb = nullptr,
+                *tpk = nullptr, *tpv = nullptr, *tkmu = nullptr, *tvmu = nullptr, *tcmask = nullptr;
+    if (p.t_k_bits) {
+      tkw = &inputs[i++];
+      tks = &inputs[i++];
+      if (p.t_has_kb) tkb = &inputs[i++];
+      tvw = &inputs[i++];
+      tvs = &inputs[i++];
+      if (p.t_has_vb) tvb = &inputs[i++];
+      tpk = &inputs[i++];
+      tpv = &inputs[i++];
+      if (p.t_has_kmu) tkmu = &inputs[i++];
+      if (p.t_has_vmu) tvmu = &inputs[i++];
+      if (p.t_has_cmask) tcmask = &inputs[i++];
     }
     for (const array& a : inputs)  // views of buffers keep a contiguous last axis; anything else is a bug here
       if (a.ndim() && a.strides().back() != 1 && a.shape().back() > 1)
@@ -1374,6 +1415,27 @@ void CodedDecodeAttention::eval_cpu(const std::vector<array>& inputs, array& out
     pr.sinks = sinks ? sinks->data<float>() : nullptr;
     pr.out = out.data<float>();
     pr.spans = spans;
+    Problem tail;
+    if (tkw) {  // the same queries, exact tokens and output; its own codes, rotations, means and mask
+      tail = pr;
+      tail.spans.clear();
+      tail.has_k2 = tail.has_v2 = tail.k2_summed = false;
+      tail.k = Codes{};
+      tail.v = Codes{};
+      codes(tail.k, *tkw, *tks, tkb, false, p.t_k_bits, p.t_k_group, pr.d);
+      codes(tail.v, *tvw, *tvs, tvb, false, p.t_v_bits, p.t_v_group, pr.dv);
+      tail.k.zero = p.t_k_zero;
+      tail.v.zero = p.t_v_zero;
+      tail.n = tkw->shape(2);
+      tail.pk = tpk->data<float>();
+      tail.pv = tpv->data<float>();
+      tail.kmu = tkmu ? tkmu->data<float>() : nullptr;
+      tail.kmu_rows = tkmu ? tkmu->shape(0) : 0;
+      tail.vmu = tvmu ? tvmu->data<float>() : nullptr;
+      tail.vmu_rows = tvmu ? tvmu->shape(0) : 0;
+      tail.cmask = tcmask ? tcmask->data<uint8_t>() : nullptr;
+      pr.tail = &tail;
+    }
     solve(pr);
   });
 }
@@ -1432,7 +1494,9 @@ array coded_decode_attention(const array& q, const array& pk, const array& pv, c
                              const std::optional<array>& k2s, const std::optional<array>& pk2,
                              const std::optional<array>& k2_levels, int k2_bits, const std::optional<array>& v2w,
                              const std::optional<array>& v2_levels, int v2_bits,
-                             const std::optional<std::vector<int64_t>>& spans) {
+                             const std::optional<std::vector<int64_t>>& spans,
+                             const std::optional<std::vector<array>>& tail, const std::optional<std::vector<int>>& tail_layout,
+                             float tail_k_zero, float tail_v_zero) {
   require(q.dtype() == float32 && q.ndim() == 4, "q must be float32 (B, Hkv, R, d), got " + shape_str(q));
   int B = q.shape(0), H = q.shape(1), R = q.shape(2), d = q.shape(3);
   int64_t G = int64_t(B) * H;
@@ -1501,9 +1565,40 @@ array coded_decode_attention(const array& q, const array& pk, const array& pv, c
     check_codes("second values", *v2w, vs, nullptr, false, v2_bits, v_group, B, H, dv, n);
     require(lev_ok(v2_levels, v2_bits), "v2_levels must be float32 (2**v2_bits,)");
   }
+  // The tail: arrays [tkw, tks, tkb, tvw, tvs, tvb, tpk, tpv, tkmu, tvmu, tcmask] (an empty array where there is
+  // none: biases, means, mask) and layout [k_bits, k_group, v_bits, v_group], both codes tokens first; symmetric
+  // codes (no biases) sit around tail_k_zero / tail_v_zero.
+  require(bool(tail) == bool(tail_layout), "tail and tail_layout go together");
+  auto given = [&](int j) { return (*tail)[j].size() > 0; };
+  int64_t tn = 0;
+  if (tail) {
+    require(tail->size() == 11 && tail_layout->size() == 4,
+            "tail: [tkw, tks, tkb, tvw, tvs, tvb, tpk, tpv, tkmu, tvmu, tcmask] (None: empty), tail_layout: "
+            "[k_bits, k_group, v_bits, v_group]");
+    const auto& t = *tail;
+    const auto& tl = *tail_layout;
+    tn = t[0].ndim() == 4 ? t[0].shape(2) : 0;
+    require(tn >= 1, "tail keys must be uint32 (B, H, n, d*bits/32) with at least one token, got " + shape_str(t[0]));
+    check_codes("tail keys", t[0], t[1], given(2) ? &t[2] : nullptr, false, tl[0], tl[1], B, H, d, tn);
+    check_codes("tail values", t[3], t[4], given(5) ? &t[5] : nullptr, false, tl[2], tl[3], B, H, dv, tn);
+    const bool rotations_ok = t[6].dtype() == float32 && t[6].ndim() == 2 && t[6].shape(0) == d &&
+                              t[6].shape(1) == d && t[7].dtype() == float32 && t[7].ndim() == 2 &&
+                              t[7].shape(0) == dv && t[7].shape(1) == dv;
+    require(rotations_ok,
+            "tail rotations must be float32 (d, d) and (dv, dv)");
+    require(mu_ok(given(8) ? std::optional<array>(t[8]) : std::nullopt, d) &&
+                mu_ok(given(9) ? std::optional<array>(t[9]) : std::nullopt, dv),
+            "tail means must be float32 (rows dividing B*H, d)");
+    require(!given(10) || (t[10].dtype() == bool_ && t[10].ndim() == 2 && t[10].shape(0) == G &&
+                           t[10].shape(1) == tn),
+            "tail mask must be bool (B*H, tail tokens)");
+  }
   Params p{k_tokens_last, v_tokens_last, k_bits, k_group, v_bits, v_group, v_zero, bool(kb), bool(kmu), bool(vmu), bool(vb),
            bool(cmask), bool(emask), bool(sinks), bool(k_levels), bool(v_levels), has_k2 ? k2_bits : 0,
-           k2_summed ? k_group : (has_k2 ? m2 : 0), has_v2 ? v2_bits : 0, k2_summed};
+           k2_summed ? k_group : (has_k2 ? m2 : 0), has_v2 ? v2_bits : 0, k2_summed,
+           tail ? (*tail_layout)[0] : 0, tail ? (*tail_layout)[1] : 0, tail ? (*tail_layout)[2] : 0,
+           tail ? (*tail_layout)[3] : 0, tail ? tail_k_zero : 0.0f, tail ? tail_v_zero : 0.0f, tail && given(2), tail && given(5),
+           tail && given(8), tail && given(9), tail && given(10)};
   // Small inputs are made contiguous; codes and exact tokens are read through their strides (cache views). Arrays
   // already evaluated and contiguous (rotations, levels, means: the same every step) pass as they are: one graph
   // node fewer each per layer and step.
@@ -1532,6 +1627,9 @@ array coded_decode_attention(const array& q, const array& pk, const array& pv, c
     in.push_back(*v2w);
     in.push_back(c(*v2_levels));
   }
+  if (tail)  // codes through their strides (cache views); the rest contiguous
+    for (int j = 0; j < 11; ++j)
+      if (given(j)) in.push_back(j <= 5 ? (*tail)[j] : c((*tail)[j]));
   // On the caller's current stream (mlx_lm decodes inside its own generation stream): a primitive on another
   // stream than the ops producing its inputs was measured reading the exact tokens before they were written.
   Stream s = to_stream(StreamOrDevice{});
@@ -1626,7 +1724,10 @@ NB_MODULE(_coded_attention, m) {
         nb::arg("k_levels").none() = nb::none(), nb::arg("v_levels").none() = nb::none(),
         nb::arg("k2w").none() = nb::none(), nb::arg("k2s").none() = nb::none(), nb::arg("pk2").none() = nb::none(),
         nb::arg("k2_levels").none() = nb::none(), nb::arg("k2_bits") = 0, nb::arg("v2w").none() = nb::none(),
-        nb::arg("v2_levels").none() = nb::none(), nb::arg("v2_bits") = 0, nb::arg("spans").none() = nb::none());
+        nb::arg("v2_levels").none() = nb::none(), nb::arg("v2_bits") = 0, nb::arg("spans").none() = nb::none(),
+        nb::arg("tail").none() = nb::none(), nb::arg("tail_layout").none() = nb::none(), nb::arg("tail_k_zero") = 0.0f,
+        nb::arg("tail_v_zero") = 0.0f);
+  m.attr("reads_tail") = true;  // coded_decode_attention takes a second coded part (kernel.py asks)
   bind_affine_encode(m);
   bind_gather_rows(m);
 }
