@@ -9,7 +9,7 @@ importable from ``quality`` (``quality.OURS``).
 from __future__ import annotations
 
 from veloxquant_mlx.codecs import CODECS, CodecLayout
-from veloxquant_mlx.codecs.kblock_tail import ProvisionalKeyCodec, TailedBlockKeyCodec, TailedSymValueCodec
+from veloxquant_mlx.codecs.kblock_tail import TailedBlockKeyCodec, TailedSymValueCodec
 from veloxquant_mlx.cache.presets import preset
 
 
@@ -19,28 +19,6 @@ def _tail_layout(extra: int) -> str:
     name = f"kblock_vsym8_pt{extra}"
     if name not in CODECS:
         cls = type(f"TailedBlockKeyCodec{extra}", (TailedBlockKeyCodec,), {"TAIL_EXTRA_BITS": extra})
-        CODECS[name] = CodecLayout(cls, TailedSymValueCodec)
-    return name
-
-
-def _tail_layout_rotated() -> str:
-    """Issue 54's probe: ``kblock_vsym8_pt`` whose per-token provisional keys keep a mixing rotation when the block
-    keys are coded in the model's own channels (``key_rotation="none"``, which the builder's probe picks for Gemma
-    3's full-attention layers): per-token codes need the rotation that per-channel block codes do without."""
-    name = "kblock_vsym8_pt_rot"
-    if name not in CODECS:
-        def tail_codec(self):
-            codec = TailedBlockKeyCodec.tail_codec(self)
-            if self.rotation_kind != "none":
-                return codec
-            hit = getattr(self, "_rotated_tail", None)
-            if hit is None or hit[0] is not codec:
-                rotated = ProvisionalKeyCodec(self.d, codec.bits, seed=self.seed, rotation="haar", center=self.center)
-                if self.mean is not None:
-                    rotated = rotated.with_fitted({"mean": self.mean})
-                hit = self._rotated_tail = (codec, rotated)
-            return hit[1]
-        cls = type("RotatedTailBlockKeyCodec", (TailedBlockKeyCodec,), {"tail_codec": tail_codec})
         CODECS[name] = CodecLayout(cls, TailedSymValueCodec)
     return name
 
@@ -187,8 +165,6 @@ OURS = {
     # Issue 54: the budget presets as they are (window rule included) with the coded tail ("-ct": issue 47's layout,
     # its keys centred; exact until the first coded block, read by the kernel in the same call as the blocks).
     **{f"tq{b}-ct": _preset_variant(f"tq-{b}b", codec="kblock_vsym8_pt", center_keys=True) for b in (4, 3, 2)},
-    # ... its provisional keys rotated where the block keys are not ("-ctr")
-    **{f"tq{b}-ctr": _preset_variant(f"tq-{b}b", codec=_tail_layout_rotated(), center_keys=True) for b in (4, 3, 2)},
     # The seed's cache: two b-bit RVQ key streams, float16 values.
     "seed-rvq-b1": dict(kind="rvq", k_bits=1),
     "seed-rvq-b2": dict(kind="rvq", k_bits=2),

@@ -231,3 +231,32 @@ def test_coded_tail_state_round_trip_trim_and_refusal():
     assert after.shape[2] == 250 and rel_err(after, before[:, :, :250]) < 0.12
     cache.update_and_fetch(k[:, :, 250:260], v[:, :, 250:260])
     assert (cache.n_coded, cache.rows.tail_n[0]) == (256, 3)
+
+
+@pytest.mark.parametrize("rotation", ["haar", "hadamard"])
+def test_unrotated_block_keys_keep_a_mixing_rotation_in_their_coded_tail(rotation):
+    """Block keys coded in the model's own channels (key_rotation="none", what the key-rotation probe picks for
+    Gemma 3's full-attention layers) still code their waiting keys per token under the options' rotation (per-token
+    codes need one); a coded tail saved by the version that coded them unrotated (format 3) is refused, naming it."""
+    import dataclasses
+    import json
+
+    k, v = kv(H=2, T=300, d=64, seed=8)
+    k = k * mx.array([8.0] + [0.5] * 63)  # one loud channel: unrotated per-token codes spend their levels on it
+    opts = dataclasses.replace(_budget(4), rotation=rotation, key_rotation="none", center_keys=False)
+    cache = TurboQuantPackedCache(opts)
+    cache.update_and_fetch(k, v)
+    assert cache.rows.k_codec.rotation_kind == "none"
+    tail_codec = cache.rows.tail.coder.k
+    assert tail_codec.rotation_kind == rotation
+    assert cache.rows.tail_n[0] == 43
+    err = rel_err(cache.keys_and_values()[0][:, :, -43:], k[:, :, -43:])
+    unrotated = type(tail_codec)(64, tail_codec.bits, seed=tail_codec.seed, rotation="none")
+    plain = unrotated.decode(unrotated.encode(k[:, :, -43:]), mx.float32)
+    assert err < rel_err(plain, k[:, :, -43:]) / 1.5, (err, rel_err(plain, k[:, :, -43:]))
+    state = cache.state
+    back = TurboQuantPackedCache.from_state(state)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(cache.keys_and_values(), back.keys_and_values()))
+    old = dict(state, meta=json.dumps({**json.loads(state["meta"]), "format": 3}))
+    with pytest.raises(ValueError, match="coded waiting keys unrotated"):
+        TurboQuantPackedCache.from_state(old)

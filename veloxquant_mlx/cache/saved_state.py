@@ -48,9 +48,12 @@ from veloxquant_mlx.validate import FLOAT_DTYPES
 
 # of a single cache's ``state``; formats 1 (config + options) and 2 are still read, except turboquant_prod codes:
 # format 3 changed their QJL sketch (orthogonal rows), so older prod codes would decode wrongly
-FORMAT = 3
-BATCH_FORMAT = 1  # of a batch cache's ``state``
-_FORMATS, _BATCH_FORMATS = (1, 2, 3), (BATCH_FORMAT,)  # what `read_meta` / `read_batch_meta` read
+FORMAT = 4
+BATCH_FORMAT = 2  # of a batch cache's ``state``
+_FORMATS, _BATCH_FORMATS = (1, 2, 3, 4), (1, 2)  # what `read_meta` / `read_batch_meta` read
+# The formats before which a coded tail's provisional keys took the block keys' rotation even where that was
+# "none" (now: a mixing rotation, `TailedBlockKeyCodec.tail_codec`): such states cannot be decoded today.
+_TAIL_ROTATION_FORMAT, _BATCH_TAIL_ROTATION_FORMAT = 4, 2
 _CACHE_KEYS = ("fetch_placeholders", "max_size", "keep")  # format 1: the constructor's arguments among the options
 BATCH_ROWS = ("lengths", "sink_n", "coded", "tail_n")  # per-row token counts in a batch state's meta (+ "start")
 
@@ -235,6 +238,15 @@ def _check_tail(cls, arrays: Dict[str, mx.array], dims, coder, codec: str, prefi
     return lead.pop()[2]
 
 
+def _check_tail_rotation(cls, tail: Dict[str, mx.array], key_codec, old_format: bool) -> None:
+    """Refuse a coded tail that an earlier version wrote with unrotated provisional keys (block keys coded in the
+    model's own channels): today's codec reads them under a mixing rotation, so they would decode wrong."""
+    if old_format and tail and set(tail) != {"k", "v"} and getattr(key_codec, "rotation_kind", None) == "none":
+        raise _fail(cls, "its coded tail (arrays " + ", ".join(sorted(tail)) + ") was written by an earlier version "
+                         "that coded waiting keys unrotated where the block keys are (key_rotation='none'); this "
+                         "version codes them under a mixing rotation and cannot read them: build the cache again")
+
+
 def restore_rows(cls, state: Dict[str, Any], meta: Dict[str, Any], options, window):
     """The `Rows` a single cache's ``state`` describes, every array checked against ``options`` and ``meta``."""
     names = set(state) - {"meta"}
@@ -259,6 +271,7 @@ def restore_rows(cls, state: Dict[str, Any], meta: Dict[str, Any], options, wind
     coder = None if window else TailCoder.for_codecs(options, codecs)
     counts[t_] = _check_tail(cls, loaded[t_], dims, coder, options.codec, t_,
                              bool(meta["stores"]["codes"])) if loaded[t_] else 0
+    _check_tail_rotation(cls, loaded[t_], codecs[0], meta["format"] < _TAIL_ROTATION_FORMAT)
     for prefix, codec in ((kc_, codecs[0]), (cv_, codecs[1])):
         if loaded[prefix]:
             try:
@@ -364,6 +377,7 @@ def restore_batch_rows(cls, state: Dict[str, Any], meta: Dict[str, Any], batch: 
     tail = take("tail")
     L = _check_tail(cls, tail, batch.dims, batch.tail_coder, batch.options.codec, prefixes["tail"],
                     any(rows["coded"])) if tail else 0
+    _check_tail_rotation(cls, tail, batch.base[0], meta["format"] < _BATCH_TAIL_ROTATION_FORMAT)
     if tail and tail[next(iter(tail))].shape[:2] != (B, H):
         raise _fail(cls, f"the tail window's arrays must hold (B, H) = ({B}, {H}), got "
                          f"{tuple(tail[next(iter(tail))].shape[:2])}")
