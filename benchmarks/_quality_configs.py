@@ -165,6 +165,11 @@ OURS = {
     # Issue 54: the budget presets as they are (window rule included) with the coded tail ("-ct": issue 47's layout,
     # its keys centred; exact until the first coded block, read by the kernel in the same call as the blocks).
     **{f"tq{b}-ct": _preset_variant(f"tq-{b}b", codec="kblock_vsym8_pt", center_keys=True) for b in (4, 3, 2)},
+    # ... with the key offset in the library ("-ro": rope_offset, keys stored less their rotated pre-RoPE mean),
+    # on the coded tail and on the presets as they are (exact tail)
+    **{f"tq{b}-ct-ro": _preset_variant(f"tq-{b}b", codec="kblock_vsym8_pt", center_keys=True, rope_offset=True)
+       for b in (4, 3, 2)},
+    **{f"tq{b}-ro": _preset_variant(f"tq-{b}b", rope_offset=True) for b in (4, 3, 2)},
     # The seed's cache: two b-bit RVQ key streams, float16 values.
     "seed-rvq-b1": dict(kind="rvq", k_bits=1),
     "seed-rvq-b2": dict(kind="rvq", k_bits=2),

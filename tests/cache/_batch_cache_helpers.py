@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm import stream_generate
@@ -15,8 +16,10 @@ from veloxquant_mlx.cache.packed_cache import TurboQuantBatchPackedCache
 from veloxquant_mlx.cache.options import CacheOptions
 from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache
 from veloxquant_mlx.apps.eval.specs import CONFIGURATIONS
+from veloxquant_mlx.quant.rope import frame_of
 
 # head_dim 32 in the tiny model: block codecs code blocks of 32 tokens
+ROPE32 = frame_of(nn.RoPE(32, base=10000), 32)[0].to_list()  # (llama.ModelArgs' default RoPE at head_dim 32)
 CONFIGS = {
     "affine_block-k8v4": CONFIGURATIONS["tq-affine-k8v4"],
     "affine_block-k4v4": CONFIGURATIONS["tq-affine-k4v4"],
@@ -33,6 +36,10 @@ CONFIGS = {
     "kblock_vsym8_pt-k4v4": dataclasses.replace(CONFIGURATIONS["tq-4b"], codec="kblock_vsym8_pt"),
     "kblock_vsym8_pt-k4v4-centred": dataclasses.replace(CONFIGURATIONS["tq-4b"], codec="kblock_vsym8_pt",
                                                         center_keys=True),
+    # issue 54's key offset: keys stored less their rotated mean before RoPE (the tiny model's RoPE: 32 dims)
+    "kblock_vsym8-k4v4-ro": dataclasses.replace(CONFIGURATIONS["tq-4b"], rope_offset=True, key_rope=ROPE32),
+    "kblock_vsym8_pt-k4v4-centred-ro": dataclasses.replace(CONFIGURATIONS["tq-4b"], codec="kblock_vsym8_pt",
+                                                           center_keys=True, rope_offset=True, key_rope=ROPE32),
 }
 RNG = np.random.default_rng(5)
 LENGTHS = (3, 80, 41, 150, 20, 7, 100, 1)  # around the sink (4) and 32-token blocks

@@ -47,7 +47,8 @@ def test_batch_cache_holds_exactly_what_each_sequence_holds_alone(name):
         _states_equal(batch.extract(i), c)
 
 
-@pytest.mark.parametrize("name", ["kblock_vsym8_pt-k4v4", "kblock_vsym8_pt-k4v4-centred"])
+@pytest.mark.parametrize("name", ["kblock_vsym8_pt-k4v4", "kblock_vsym8_pt-k4v4-centred",
+                                  "kblock_vsym8_pt-k4v4-centred-ro"])
 def test_a_coded_tail_is_exact_until_some_row_codes_a_block(name):
     """A layout that codes the tokens waiting for their key block holds them exact while no row has coded a block
     (a short chat attends as mlx_lm's cache does), then coded for every row, the short rows included: a batch of
@@ -193,7 +194,8 @@ def test_sliding_window_batch_with_sink_other_than_keep(sink, keep, recent):
         _states_equal(batch.extract(i), c)
 
 
-@pytest.mark.parametrize("name", ["affine_block-k8v4", "lloyd_max-k4v4", "affine-recent", "affine_block-k8v4-recent"])
+@pytest.mark.parametrize("name", ["affine_block-k8v4", "lloyd_max-k4v4", "affine-recent", "affine_block-k8v4-recent",
+                                  "kblock_vsym8-k4v4-ro", "kblock_vsym8_pt-k4v4-centred-ro"])
 def test_batch_trim_equals_each_sequence_trimmed(name):
     """``trim(n)`` (speculative decoding's rejected drafts) drops every row's ``n`` newest tokens exactly as each
     sequence alone does (a cut block's survivors back in the tail), and the rows go on decoding as alone."""

@@ -33,6 +33,7 @@ import mlx.core as mx
 
 from veloxquant_mlx.attention._sources import source_hash
 from veloxquant_mlx.attention.exp2 import LOG2E
+from veloxquant_mlx.attention.parts import coded_keys
 # The checks on a built module. `_missing_before_import`
 # below calls `_binary_flags` / `_cpu_flags` through this module's names, so patching them here takes effect.
 from veloxquant_mlx.attention.kernel_checks import (FLAG_FEATURES, _binary_flags, _cpu_flags, _cpu_refusal,
@@ -352,8 +353,7 @@ def _coded_and_exact(parts, masks, mod=None):
             continue
         if p.length > DECODED_PART_TOKENS:
             return None
-        exact.append((i, _Exact(p.k_codec.decode(p.k_arrays, mx.float32), p.v_codec.decode(p.v_arrays, mx.float32)),
-                      m))
+        exact.append((i, _Exact(coded_keys(p, mx.float32), p.v_codec.decode(p.v_arrays, mx.float32)), m))
     exact.sort(key=lambda e: e[0])
     return main, cm, spans, tail, [(p, m) for _, p, m in exact]
 
@@ -421,6 +421,9 @@ def decode_step(queries: mx.array, parts: Sequence, scale: float, sinks: Optiona
     if picked is None:
         return None
     coded, cm, spans, tail, exact = picked
+    if (coded.key_offset is not None or (tail is not None and tail[0].key_offset is not None)) \
+            and not getattr(mod, "reads_score_bias", False):
+        return None
     args = _coded_arguments(coded, mod)
     if args is None:
         return None
@@ -457,12 +460,18 @@ def decode_step(queries: mx.array, parts: Sequence, scale: float, sinks: Optiona
         s = (sinks.astype(mx.float32) * LOG2E).reshape(-1, R)
         s = mx.tile(s, (B, 1)) if s.shape[0] != B * H else s
         s = mx.contiguous(mx.repeat(s, L, axis=1) if L > 1 else s)  # (one per row)
+    bias_kw = {}  # keys stored less their rotated mean before RoPE: the scores it adds, in the queries' units
+    if coded.key_offset is not None:
+        bias_kw["cbias"] = mx.contiguous(coded.key_offset.scores(q, n).reshape(B * H, R * L, n))
+    if tail is not None and tail[0].key_offset is not None:
+        nt = tail[0].length
+        bias_kw["tbias"] = mx.contiguous(tail[0].key_offset.scores(q, nt).reshape(B * H, R * L, nt))
     try:
         out = mod.coded_decode_attention(
             q, ka.rotation, va.rotation, ka.w, ka.scales, ka.biases, ka.tokens_last, ka.bits, ka.group,
             va.w, va.scales, va.biases, va.tokens_last, va.bits, va.group, float(va.zero),
             ek.astype(mx.float32), ev.astype(mx.float32), ka.mean, va.mean, cmask, emask, s, ka.levels, va.levels,
-            *second, **({"spans": spans} if spans is not None else {}), **tail_kw)
+            *second, **({"spans": spans} if spans is not None else {}), **tail_kw, **bias_kw)
     except (ValueError, TypeError, RuntimeError) as e:  # a layout the kernel refuses: the reference takes the call
         _refused(e)
         return None

@@ -36,10 +36,10 @@ import mlx.core as mx
 
 from veloxquant_mlx.attention import kernel
 from veloxquant_mlx.attention.exp2 import LOG2E, exp2_nonpositive
-from veloxquant_mlx.attention.parts import (NEG, CodedPart, ExactPart, Part, _grouped_mask,
+from veloxquant_mlx.attention.parts import (NEG, CodedPart, ExactPart, KeyOffset, Part, _grouped_mask,
                                             _merge_exact, _part_heads, _segment_mask,
                                             _short_softmax_values, _weighted_values, band_columns, band_mask,
-                                            base_mask, part_scores, with_exact_band)
+                                            base_mask, coded_keys, coded_scores, part_scores, with_exact_band)
 from veloxquant_mlx.codecs.common import f32, packed_matmul_ok
 from veloxquant_mlx.codecs.contract import check_codec
 from veloxquant_mlx.validate import check_heads, check_int
@@ -256,7 +256,7 @@ def reference_one_query(queries: mx.array, parts: Sequence[Part], scale: float, 
     q = (f32(queries) * (scale if short else scale * LOG2E)).reshape(B, Hkv, R, d)
     scores, merged = [], []
     for p, m in coded:
-        s = p.k_codec.scores(q, p.k_arrays)
+        s = coded_scores(q, p)
         scores.append(s if m is None else mx.where(m, s, NEG))
         merged.append(p)
     if exact:  # key order does not matter to one query: one exact part
@@ -289,7 +289,7 @@ def _blocked_attention(queries, parts, scale, mask, sinks, window_size, packed_r
     explicit and sliced along its query axis. Same result, bounded score memory.
     """
     L = queries.shape[2]
-    ks = [p.k_codec.decode(p.k_arrays, mx.float32) if isinstance(p, CodedPart) else f32(p.keys) for p in parts]
+    ks = [coded_keys(p, mx.float32) if isinstance(p, CodedPart) else f32(p.keys) for p in parts]
     vs = [p.v_codec.decode(p.v_arrays, mx.float32) if isinstance(p, CodedPart) else f32(p.values) for p in parts]
     # One exact part for the whole history: each block scores a single tensor, with no per-block slicing.
     exact = [ExactPart(ks[0], vs[0]) if len(ks) == 1 else ExactPart(mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2))]
@@ -337,7 +337,7 @@ def banded_attention(queries: mx.array, parts: Sequence[Part], band: ExactPart, 
     if isinstance(mask, mx.array):
         _grouped_mask(mask, B, Hq, Hkv, L, N)  # validates the shape, clear errors
     base = base_mask(mask, L, N, window_size)
-    ks = [p.k_codec.decode(p.k_arrays, mx.float32) if isinstance(p, CodedPart) else f32(p.keys) for p in parts]
+    ks = [coded_keys(p, mx.float32) if isinstance(p, CodedPart) else f32(p.keys) for p in parts]
     vs = [p.v_codec.decode(p.v_arrays, mx.float32) if isinstance(p, CodedPart) else f32(p.values) for p in parts]
     history = ExactPart(ks[0], vs[0]) if len(ks) == 1 else ExactPart(mx.concatenate(ks, axis=2),
                                                                       mx.concatenate(vs, axis=2))

@@ -13,6 +13,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import mlx.core as mx
 
 from veloxquant_mlx.codecs.common import f32
+from veloxquant_mlx.quant.rope import offset_keys, offset_scores
 
 # A finite "minus infinity" for masked scores: exp(NEG - m) underflows to 0 without 0 * inf NaNs.
 NEG = float(mx.finfo(mx.float32).min)
@@ -33,23 +34,71 @@ class ExactPart:
         return self.keys.shape[2]
 
 
+class KeyOffset:
+    """What a part's stored keys lack: ``R_t mu`` (`veloxquant_mlx.quant.rope`), ``mu`` ``(G, d)`` float32 per
+    folded head, the part's slot ``j`` at position ``starts[g] + j`` (``starts`` ``(G,)`` int32). A cache keeps
+    one object per part while ``mu`` and the starts stay (`veloxquant_mlx.cache.row_views`): what depends on them
+    alone is computed once (the keys' offsets for up to `KEY_TABLE` more slots, the per-block tables)."""
+
+    KEY_TABLE = 256  # offsets computed ahead for a growing part (a tail gains a slot per decode step)
+    KEPT_KEYS = 1024  # offsets kept for parts of at most this many slots (sinks, tails); longer ones: each call
+
+    def __init__(self, frame, mu: mx.array, starts: mx.array):
+        self.frame, self.mu, self.starts = frame, mu, starts
+        self._keys: Optional[mx.array] = None  # (1, G, m, d) for slots < m
+        self._blocks: Dict[int, Tuple[mx.array, mx.array]] = {}  # blocks -> (cos, sin) of -s0 * rates
+
+    def keys(self, n: int) -> mx.array:
+        """``R_t mu`` ``(1, G, n, d)`` float32."""
+        if n + self.KEY_TABLE > self.KEPT_KEYS:  # (a long chunk's decoded history: no table held per layer)
+            return offset_keys(self.mu, self.starts, n, self.frame)[None]
+        if self._keys is None or self._keys.shape[2] < n:
+            self._keys = offset_keys(self.mu, self.starts, n + self.KEY_TABLE, self.frame)[None]
+        return self._keys if self._keys.shape[2] == n else self._keys[:, :, :n]
+
+    def scores(self, q: mx.array, n: int) -> mx.array:
+        """``q . R_t mu`` for grouped queries ``q`` ``(1, G, M, d)`` (or ``(B, H, M, d)``, ``B*H = G``):
+        ``(.., M, n)`` float32 of ``q``'s leading shape."""
+        lead = q.shape[:-2]
+        return offset_scores(q.reshape(-1, q.shape[-2], q.shape[-1]).astype(mx.float32), self.mu, self.starts, n,
+                             self.frame, self._blocks).reshape(lead + (q.shape[-2], n))
+
+
 @dataclass
 class CodedPart:
     """Tokens held as codes: ``k_arrays`` / ``v_arrays`` are what ``k_codec`` / ``v_codec`` encoded (n tokens).
 
     ``within``: ``(whole, lo, hi)`` when these codes are slots ``[lo, hi)`` of the coded part ``whole`` (views of
     its arrays; a sliding window's parts on either side of its evicted slots): the compiled kernel then reads all
-    such parts of one ``whole`` in one pass over its codes, skipping the slots between them."""
+    such parts of one ``whole`` in one pass over its codes, skipping the slots between them. ``key_offset``: what
+    the coded keys lack (a `KeyOffset`: keys stored less their rotated mean before RoPE), or None."""
 
     k_codec: object
     k_arrays: Dict[str, mx.array]
     v_codec: object
     v_arrays: Dict[str, mx.array]
     within: Optional[Tuple["CodedPart", int, int]] = None
+    key_offset: Optional[KeyOffset] = None
 
     @property
     def length(self) -> int:
         return self.k_codec.n_tokens(self.k_arrays)
+
+
+def coded_keys(part: "CodedPart", dtype) -> mx.array:
+    """A coded part's keys decoded ``(B, H, n, d)`` in ``dtype``, with its key offset."""
+    k = part.k_codec.decode(part.k_arrays, mx.float32 if part.key_offset is not None else dtype)
+    if part.key_offset is None:
+        return k
+    return (k + part.key_offset.keys(k.shape[2]).reshape(k.shape)).astype(dtype)
+
+
+def coded_scores(q: mx.array, part: "CodedPart", packed_rows: Optional[int] = None) -> mx.array:
+    """Scores of grouped queries ``(B, Hkv, M, d)`` on a coded part ``(B, Hkv, M, n)``, with its key offset."""
+    s = part.k_codec.scores(q, part.k_arrays, packed_rows)
+    if part.key_offset is None:
+        return s
+    return s + part.key_offset.scores(q, s.shape[-1])
 
 
 Part = Union[ExactPart, CodedPart]
@@ -119,7 +168,7 @@ def part_scores(q: mx.array, part: Part, mask, R: int, L: int, packed_rows: Opti
     if isinstance(part, ExactPart):
         s = q @ mx.swapaxes(f32(part.keys), -1, -2)
     else:
-        s = part.k_codec.scores(q, part.k_arrays, packed_rows)
+        s = coded_scores(q, part, packed_rows)
     return _apply_mask(s, mask, R, L)
 
 

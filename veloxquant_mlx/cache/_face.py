@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
-from veloxquant_mlx.attention.packed_sdpa import ExactPart
+from veloxquant_mlx.attention.parts import ExactPart, coded_keys
 from veloxquant_mlx.cache._pipeline import PipelineDependency
 from veloxquant_mlx.cache.row_policy import Rows
 from veloxquant_mlx.cache.row_ops import concat_rows, take_rows
@@ -55,7 +55,7 @@ def _weight_arrays(channel_log2) -> Optional[Tuple[mx.array, mx.array]]:
 
 def _decode(parts, dtype):
     """Parts decoded and concatenated along the tokens ``(B, H, n, d)`` (the path outside attention on codes)."""
-    ks = [p.keys.astype(dtype) if isinstance(p, ExactPart) else p.k_codec.decode(p.k_arrays, dtype) for p in parts]
+    ks = [p.keys.astype(dtype) if isinstance(p, ExactPart) else coded_keys(p, dtype) for p in parts]
     vs = [p.values.astype(dtype) if isinstance(p, ExactPart) else p.v_codec.decode(p.v_arrays, dtype) for p in parts]
     return (ks[0], vs[0]) if len(ks) == 1 else (mx.concatenate(ks, axis=2), mx.concatenate(vs, axis=2))
 

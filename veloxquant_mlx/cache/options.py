@@ -20,6 +20,7 @@ from typing import Any, Dict, Optional, Tuple, Union
 from veloxquant_mlx.quant.channel_weights import MAX_LOG2
 from veloxquant_mlx.codecs import CODECS, codec_layout
 from veloxquant_mlx.compat.config import KVCacheConfig
+from veloxquant_mlx.quant.rope import RopeFrame
 from veloxquant_mlx.quant.rotation import KEY_ROTATION_KINDS, ROTATION_KINDS as ROTATIONS
 from veloxquant_mlx.validate import check_bool, check_choice, check_int, check_outlier_channels
 
@@ -75,6 +76,14 @@ class CacheOptions:
         coded within its own range over a block: better where the model's key channels differ in scale (Gemma 3's
         full-attention layers: uncalibrated tq-4b's KL on the Bible 0.0587 -> 0.0267 at 2048 tokens), worse where
         they do not (SmolLM2, where the probe flags no layer); see BENCHMARKS.md, issue 55.
+    rope_offset: code each key minus its head's mean key before RoPE, rotated to the key's position (``k_t - R_t
+        mu``), and add ``q . R_t mu`` back in attention: the mean a rotating RoPE pair carries is not spread into
+        every token's codes (issue 54: most of what coding keys before RoPE gains, with the codes still after RoPE).
+        ``mu`` is fitted per sequence on its first tokens after the sink. Full-attention layers of the block key
+        layouts, without an exact window (``recent`` 0); needs the layer's RoPE (``key_rope``).
+    key_rope: one layer's RoPE as a per-pair rotation, ``(dims, traditional, rates)``
+        (`veloxquant_mlx.quant.rope.RopeFrame`): the builder reads it from the layer's RoPE module when
+        ``rope_offset`` is set (a layer whose RoPE it cannot read keeps post-RoPE codes, and `enable` says so).
     head_dim: checked against the model's when set (the builder fills it in).
     short_window / short_window_bits: a sliding-window layer (mlx_lm's ``RotatingKVCache``) of at most
         ``short_window`` tokens codes its keys and values at no fewer than ``short_window_bits`` bits (0: no such
@@ -118,6 +127,8 @@ class CacheOptions:
     window_recent: int = 0
     window_k_bits: int = 0
     key_rotation: Union[None, str, Tuple[str, ...]] = None
+    rope_offset: bool = False
+    key_rope: Optional[tuple] = dataclasses.field(default=None, repr=False)
     calibration_id: Optional[str] = None
     channel_log2: Optional[Tuple[Tuple[Tuple[int, ...], ...], Tuple[Tuple[int, ...], ...]]] = \
         dataclasses.field(default=None, repr=False)
@@ -138,11 +149,12 @@ class CacheOptions:
         set_("code_batch", check_int("code_batch", self.code_batch, 1, 4096))
         set_("jl_dim", check_int("jl_dim", self.jl_dim, 1, optional=True))
         set_("head_dim", check_int("head_dim", self.head_dim, 1, optional=True))
-        for name in ("center_keys", "center_values", "value_outliers"):
+        for name in ("center_keys", "center_values", "value_outliers", "rope_offset"):
             set_(name, check_bool(name, getattr(self, name)))
         check_choice("rotation", self.rotation, ROTATIONS)
         set_("key_rotation", self._checked_key_rotation(layout))
         self._check_codec_options(layout)
+        self._check_rope_offset(layout)
         self._check_channel_weights()
         if self.kind == "rvq" and (self.v_bits is not None or self.sink or self.recent or self.codec != "lloyd_max"
                                    or self.group_size is not None):
@@ -195,6 +207,26 @@ class CacheOptions:
             raise ValueError(f"channel_log2 holds {d} channels per head, but head_dim={self.head_dim}")
         object.__setattr__(self, "channel_log2", norm)
 
+    def _check_rope_offset(self, layout) -> None:
+        """``rope_offset`` on a layout whose key codec carries the fitted mean, without an exact window; ``key_rope``
+        None or a `RopeFrame` (normalised to a tuple ``(dims, traditional, rates)``)."""
+        if self.key_rope is not None:
+            try:
+                frame = RopeFrame.from_list(self.key_rope)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"key_rope: {e}") from None
+            if self.head_dim is not None and frame.dims > self.head_dim:
+                raise ValueError(f"key_rope rotates {frame.dims} dims, more than head_dim={self.head_dim}")
+            object.__setattr__(self, "key_rope", (frame.dims, frame.traditional, frame.rates))
+        if not self.rope_offset:
+            return
+        if self.kind != "packed" or not getattr(layout.keys, "ROPE_OFFSET", False):
+            able = sorted(n for n, lay in CODECS.items() if getattr(lay.keys, "ROPE_OFFSET", False))
+            raise ValueError(f"rope_offset applies to kind='packed' with a codec of {able}, not kind={self.kind!r} "
+                             f"codec={self.codec!r}")
+        if self.recent:
+            raise ValueError("rope_offset keeps no exact window: set recent=0 (or rope_offset=False)")
+
     def _check_codec_options(self, layout) -> None:
         classes = (layout.keys, layout.values)
         if self.group_size is not None:
@@ -222,7 +254,7 @@ class CacheOptions:
         """The options of layer ``layer``: per-layer bits picked, the model's head_dim filled in."""
         changes: Dict[str, Any] = {}
         for name in ("k_bits", "v_bits", "key_rotation"):
-            per = getattr(self, name)
+            per = getattr(self, name)  # (key_rope is one layer's: the builder sets it per layer)
             if isinstance(per, tuple):
                 if len(per) != n_layers:
                     raise ValueError(f"{name} has {len(per)} entries, but the model has {n_layers} layers")
@@ -247,8 +279,16 @@ class CacheOptions:
         return self if self.v_bits is not None else dataclasses.replace(self, v_bits=self.k_bits)
 
     def to_dict(self) -> Dict[str, Any]:
-        return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v)
-                for f in dataclasses.fields(self)}
+        out = {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v)
+               for f in dataclasses.fields(self)}
+        if self.key_rope is not None:
+            out["key_rope"] = RopeFrame.from_list(self.key_rope).to_list()
+        return out
+
+    @property
+    def rope_frame(self) -> Optional[RopeFrame]:
+        """The `RopeFrame` of ``key_rope`` when ``rope_offset`` is set, else None."""
+        return RopeFrame.from_list(self.key_rope) if self.rope_offset and self.key_rope is not None else None
 
     @classmethod
     def from_dict(cls, data: Dict[str, Any]) -> "CacheOptions":
@@ -310,7 +350,7 @@ def _for_dims(options: "CacheOptions", k_dim: int, v_dim: int) -> "CacheOptions"
         try:
             candidates.append(dataclasses.replace(options, codec="lloyd_max", method=method, group_size=None,
                                                   jl_dim=options.jl_dim if method == "turboquant_prod" else None,
-                                                  key_rotation=None))
+                                                  key_rotation=None, rope_offset=False, key_rope=None))
         except ValueError:
             pass
     for candidate in candidates:

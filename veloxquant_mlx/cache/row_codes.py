@@ -53,7 +53,7 @@ class TailCoder:
         k, v = base
         if not (hasattr(k, "tail_codec") and getattr(v, "codes_tail", False)) or options.recent:
             return None
-        if set(k.blank_fitted(1)) - {"mean"} or v.blank_fitted(1):
+        if set(k.blank_fitted(1)) - {"mean", "rope_mean"} or v.blank_fitted(1):
             return None
         return TailCoder(k.tail_codec(), v)
 

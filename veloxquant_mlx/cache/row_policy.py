@@ -31,6 +31,7 @@ from mlx_lm.models.cache import dynamic_roll
 
 from veloxquant_mlx.cache.row_codes import CodedTail, RowCodes, TailCoder, _layouts, column
 from veloxquant_mlx.cache.row_views import RowViews
+from veloxquant_mlx.quant.rope import fit_mean, offset_keys, rotate
 
 CODE_STEP = 256  # code slots added at a time for per-token codecs (block codecs grow one block at a time)
 TAIL_STEP = 16  # exact tail slots added at a time
@@ -70,9 +71,54 @@ class Rows(RowViews):
 
     @property
     def fits_on_arrival(self) -> bool:
-        """Whether rows fit before their first token is stored (a tail coded on the fitted key mean)."""
+        """Whether rows fit before their first token after the sink is stored (a tail coded on the fitted key
+        mean, or keys stored less their mean before RoPE: ``rope_offset``)."""
         coder = self.tail_coder
-        return coder is not None and coder.centred
+        return (coder is not None and coder.centred) or self.rope is not None
+
+    @property
+    def rope(self):
+        """The layer's `RopeFrame` when keys are stored less their rotated mean (``options.rope_offset``): every
+        key after a row's fit is stored as ``k_t - R_t mu`` (sink, tail and codes alike, so moving tokens between
+        stores changes nothing), and attention adds ``R_t mu`` back (`rope_mu`), ``t`` the token's place in its
+        row: the RoPE position mlx_lm gives it (the caches' offsets count stored tokens)."""
+        memo = getattr(self, "_rope", None)
+        if memo is None or memo[0] is not self.options:
+            memo = self._rope = (self.options, self.options.rope_frame)
+        return memo[1]
+
+    def rope_mu(self, i: Optional[int] = None) -> Optional[mx.array]:
+        """Every row's fitted mean before RoPE ``(B*H, d)`` float32 (row ``i``'s ``(H, d)``; zeros for rows not
+        fitted yet: their keys are stored as they came), or None without ``rope_offset``."""
+        if self.rope is None or self.dims is None:
+            return None
+        mu = getattr(self.k_codec, "rope_mean", None)
+        if mu is None:
+            mu = mx.zeros((self.B * self.heads, self.dims[0]), dtype=mx.float32)
+        return mu if i is None or self.B == 1 else mu[i * self.heads:(i + 1) * self.heads]
+
+    def _less_step_offset(self, keys: mx.array) -> mx.array:
+        """`_less_offset` of a decode step's keys ``(B, H, 1, d)`` (each row's next position): from a table of the
+        next `STEP_TABLE` positions' offsets, kept while ``mu`` stays and the rows step together."""
+        mu, lengths = self.rope_mu(), self.lengths
+        memo = getattr(self, "_step_offsets", None)
+        k = lengths[0] - memo[1][0] if memo is not None and memo[0] is mu else -1
+        if not (0 <= k < self.STEP_TABLE and all(n - b == k for n, b in zip(lengths, memo[1]))):
+            B, H, _, d = keys.shape
+            starts = mx.repeat(mx.array(lengths, dtype=mx.int32), H)
+            memo = self._step_offsets = (mu, list(lengths),
+                                         offset_keys(mu, starts, self.STEP_TABLE, self.rope).reshape(B, H, -1, d))
+            k = 0
+        return (keys.astype(mx.float32) - memo[2][:, :, k:k + 1]).astype(keys.dtype)
+
+    STEP_TABLE = 64  # decode steps' offsets computed at a time
+
+    def _less_offset(self, keys: mx.array, positions: mx.array, mu: Optional[mx.array] = None) -> mx.array:
+        """``keys`` ``(B, H, T, d)`` less ``R_t mu`` of their rows at ``positions`` ``(B, T)``, in their dtype."""
+        mu = self.rope_mu() if mu is None else mu
+        B, H, T, d = keys.shape
+        rot = rotate(mx.broadcast_to(mu.reshape(B, H, 1, d), (B, H, T, d)), positions[:, None, :], self.rope)
+        return (keys.astype(mx.float32) - rot).astype(keys.dtype)
 
     def sync_tail(self) -> None:
         """The tail's kind follows the rows' codes: exact while no row has coded a block (a short chat attends
@@ -123,6 +169,15 @@ class Rows(RowViews):
             raise ValueError(f"keys have head_dim {k_dim}, but the cache was set up for "
                              f"head_dim={self.options.head_dim}")
         self.options = self.options.for_dims(k_dim, v_dim)  # (as the cache's first update decided: the same)
+        if self.options.rope_offset:
+            if self.window:
+                raise ValueError("rope_offset applies to full-attention caches: a sliding window's slots are not "
+                                 "its tokens' positions (the builder leaves window layers without it)")
+            if self.options.key_rope is None:
+                raise ValueError("rope_offset=True needs the layer's RoPE (key_rope): build the caches with "
+                                 "veloxquant_mlx.enable(model) or make_prompt_cache(model, ...), which read it")
+            if self.rope.dims > k_dim:
+                raise ValueError(f"key_rope rotates {self.rope.dims} dims, but keys have head_dim {k_dim}")
         self.base, layouts, _ = _layouts(self.options, (k_dim, v_dim), heads)
         self.dims, self.heads = (k_dim, v_dim), heads
         # With block keys, values arrive a whole block at a time: growing by one block keeps their store exactly
@@ -162,11 +217,29 @@ class Rows(RowViews):
         """The codec of row ``i``'s provisional keys (its own fitted mean, when the tail is centred on it)."""
         return self.row_codec(0, i).tail_codec() if self.fits_on_arrival else self.tail.coder.k
 
-    def _fit_row(self, i: int, k: mx.array, v: mx.array) -> None:
-        """Fit row ``i``'s codecs on its tokens ``(1, H, n, d)`` (what the sequence alone fits on)."""
+    def _fit_row(self, i: int, k: mx.array, v: mx.array, start: Optional[int] = None) -> None:
+        """Fit row ``i``'s codecs on its tokens ``(1, H, n, d)`` (what the sequence alone fits on), the first at
+        position ``start``. With ``rope_offset``, first its mean before RoPE, on them: the codecs then fit on the keys
+        less it, and the row's sink (stored before) is converted."""
         H = self.heads
+        mu = None
+        if self.rope is not None:
+            if start is None:
+                raise RuntimeError("Rows: a row with rope_offset fits on arrival, where its positions are known")
+            mu = fit_mean(k, start, self.rope)
+            k = self._less_offset(k, (mx.arange(k.shape[2]) + start)[None], mu)
+            if self.sink is not None and self.sink_n[i]:
+                n, S = self.sink_n[i], self.sink["k"].shape[2]
+                row = self.sink["k"][i:i + 1]
+                less = self._less_offset(row, mx.arange(S)[None], mu)
+                keep = (mx.arange(S) < n).reshape(1, 1, S, 1)
+                self.sink["k"] = mx.concatenate([self.sink["k"][:i], mx.where(keep, less, row),
+                                                 self.sink["k"][i + 1:]], axis=0) if self.B > 1 else \
+                    mx.where(keep, less, row)
         for which, x in ((0, k), (1, v)):
             arrays = self.base[which].fitted_from(x)
+            if mu is not None and not which:
+                arrays["rope_mean"] = mu
             if not arrays:
                 continue
             if self.B > 1:
@@ -193,6 +266,8 @@ class Rows(RowViews):
             # A decode step (~30 per token): every row's one token joins its tail, without the bookkeeping below.
             if self.B > 1 and self.tail.length == self.tail.capacity:
                 self.drop_tail_padding()  # (deferred by `_code_tail`: the copy a full store makes anyway)
+            if self.rope is not None:
+                keys = self._less_step_offset(keys)
             self.tail.append({"k": keys, "v": values})
             self.tail_n = [t + 1 for t in self.tail_n]
             if max(self.tail_n) >= self.exact_keep + self.code_step:  # some row has a step to code
@@ -204,6 +279,11 @@ class Rows(RowViews):
         if self.window:  # as mlx_lm's RotatingKVCache: max_size - 1 old tokens before a multi-token update
             self.evict([self.window[0] - 1 if r > 1 else None for r in real])
         s = [min(max(o.sink - n, 0), r) for n, r in zip(self.sink_n, real)]
+        raw, fitted_before = keys, list(self.fitted)
+        if self.rope is not None:  # (chunk position t of row r is its token lengths[r] - lead[r] + t)
+            positions = mx.array([n - a for n, a in zip(self.lengths, lead)], dtype=mx.int32)[:, None] + mx.arange(T)
+            if any(fitted_before):  # rows fitted before: every new key stored less its offset, sink included
+                keys = self._less_offset(raw, positions)
         if any(s):
             self._fill_sink(keys, values, lead, s)
         rest = [r - x for r, x in zip(real, s)]
@@ -211,7 +291,10 @@ class Rows(RowViews):
             for i in range(self.B):
                 if rest[i] and not self.fitted[i]:
                     lo = lead[i] + s[i]
-                    self._fit_row(i, keys[i:i + 1, :, lo:lo + rest[i]], values[i:i + 1, :, lo:lo + rest[i]])
+                    self._fit_row(i, raw[i:i + 1, :, lo:lo + rest[i]], values[i:i + 1, :, lo:lo + rest[i]],
+                                  self.lengths[i] + s[i])
+        if self.rope is not None and self.fitted != fitted_before:  # rows fitted now: their tail tokens too
+            keys = self._less_offset(raw, positions)
         self._append_tail(keys, values, lead, real, rest)
         self._code_tail()
         self.lengths = [n + r for n, r in zip(self.lengths, real)]
@@ -272,7 +355,7 @@ class Rows(RowViews):
         view = self.tail.live_arrays() if coder is not None else self.tail.view()
         for i in range(self.B):
             first = L - self.tail_n[i]
-            if fit[i]:
+            if fit[i]:  # (not with rope_offset: its rows fit on arrival)
                 exact = self.tail.decode({n: a[i:i + 1, :, first:] for n, a in view.items()})
                 self._fit_row(i, exact["k"], exact["v"])
             if n_code[i]:

@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import mlx.core as mx
 
-from veloxquant_mlx.attention.packed_sdpa import CodedPart, ExactPart
+from veloxquant_mlx.attention.packed_sdpa import CodedPart, ExactPart, KeyOffset
 from veloxquant_mlx.cache.row_codes import column
 from veloxquant_mlx.quant.slot_store import fold
 
@@ -32,8 +32,11 @@ class RowViews:
         a window's evicted slots instead of leaving them to a mask."""
         S, C, L = self.part_sizes()
         parts: list = []
+        mu = self.rope_mu()  # (keys stored less R_t mu: each part gets it back, `_offset`)
         if S:
             parts.append(self._sink_part(S))
+            if mu is not None:
+                parts[-1] = self._exact_offset(parts[-1], mu, [0] * self.B)
         if C:
             k, v, g = self.k_codes.folded(C), self.v_codes.folded(C), self.gone[0]
             spans = [(0, min(self.pin, C)), (self.pin + g, C)] if lockstep and g else [(0, C)]
@@ -44,6 +47,8 @@ class RowViews:
                                                             self.v_codec.slice_tokens(v, lo, hi))
                 parts.append(self._coded_part(self.k_codec, kk, self.v_codec, vv))
                 parts[-1].within = None if whole is None else (whole, lo, hi)  # (the kernel: one pass)
+                if mu is not None:
+                    parts[-1].key_offset = self._key_offset(mu, [S] * self.B)
         if L:
             t = {n: fold(a) for n, a in self.tail.buffers.items()}
             if L < self.tail.capacity:
@@ -54,7 +59,29 @@ class RowViews:
                                        self.v_codec, self.v_codec.encode(t["v"][:, :, :old])))
                 t = {n: a[:, :, old:] for n, a in t.items()}
             parts.append(ExactPart(t["k"], t["v"]))
+            if mu is not None:
+                parts[-1] = self._exact_offset(parts[-1], mu, [n - L for n in self.lengths])
         return parts
+
+    # -- keys stored less their rotated mean before RoPE (``rope_offset``) ----------------------------
+    def _key_offset(self, mu: mx.array, starts) -> KeyOffset:
+        """The `KeyOffset` of a part whose slot 0 is at position ``starts[r]`` in row r (``mu`` ``(r*H, d)``): the
+        same object while ``mu`` and the starts stay (its tables are computed once, not every decode step)."""
+        memo = getattr(self, "_offsets", None)
+        if memo is None or memo[0] is not mu:
+            memo = self._offsets = (mu, {})
+        key = tuple(starts)
+        if key not in memo[1]:
+            if len(memo[1]) > 8:  # (a tail's start moves on with each coded block)
+                memo[1].clear()
+            memo[1][key] = KeyOffset(self.rope, mu, mx.repeat(mx.array(starts, dtype=mx.int32), self.heads))
+        return memo[1][key]
+
+    def _exact_offset(self, part: ExactPart, mu: mx.array, starts) -> ExactPart:
+        """An exact part's keys with ``R_t mu`` added back (float32)."""
+        k = part.keys
+        back = self._key_offset(mu, starts).keys(k.shape[2]).reshape(k.shape)
+        return ExactPart(k.astype(mx.float32) + back, part.values)
 
     def band_before(self, keys: mx.array, values: mx.array, lead=None, real=None) -> Optional[list]:
         """Exact copies of what a chunk's queries read as their newest keys (`with_exact_band`), taken before the
@@ -135,10 +162,13 @@ class RowViews:
         sequence alone attends (views, no pad slot, no evicted slot)."""
         parts: list = []
         one = self.B == 1
+        mu = self.rope_mu(i)
         if self.sink_n[i]:
             n = self.sink_n[i]
             parts.append(ExactPart(*((a if n == a.shape[2] else a[:, :, :n]) if one else a[i:i + 1, :, :n]
                                      for a in (self.sink["k"], self.sink["v"]))))
+            if mu is not None:
+                parts[-1] = self._exact_offset(parts[-1], mu, [0])
         coded, gone = self.coded[i], self.gone[i]
         spans = [(lo, hi) for lo, hi in ([(0, min(self.pin, coded)), (self.pin + gone, coded)] if gone else
                                          [(0, coded)]) if hi > lo]
@@ -148,6 +178,8 @@ class RowViews:
             parts.append(self._coded_part(self.row_codec(0, i), self.k_codes.row_view(i, lo, hi),
                                           self.row_codec(1, i), self.v_codes.row_view(i, lo, hi)))
             parts[-1].within = None if whole is None else (whole, lo, hi)  # (the kernel: one pass)
+            if mu is not None:
+                parts[-1].key_offset = self._key_offset(mu, [self.sink_n[i]])
         if self.tail_n[i] and self.tail.coder is not None:
             # a coded tail is one more coded part (provisional keys, values as coded): the kernel reads it from its
             # codes in the same call as the blocks (`kernel._tail_arguments`), the reference like any codes
@@ -155,12 +187,16 @@ class RowViews:
             store = self.tail.raw
             memo = getattr(self, "_tail_parts", {}).get(i)
             # the same part while the tail is unchanged (attention asks for the parts more than once a step)
-            if memo is None or memo[0] != (L, self.tail_n[i], store.writes) or memo[1] is not store:
+            if memo is None or memo[0] != (L, self.tail_n[i], store.writes) or memo[1] is not store or \
+                    (mu is not None and memo[2].key_offset is not None and
+                     memo[2].key_offset.mu is not mu):
                 raw = {n: a[:, :, L - self.tail_n[i]:L] if one else a[i:i + 1, :, L - self.tail_n[i]:L]
                        for n, a in self.tail.raw.buffers.items()}
                 ks, vs = coder.split(raw)
                 memo = ((L, self.tail_n[i], store.writes), store,
                         CodedPart(self._tail_key_codec(i), ks, coder.v, vs))
+                if mu is not None:
+                    memo[2].key_offset = self._key_offset(mu, [self.lengths[i] - self.tail_n[i]])
                 self._tail_parts = {**getattr(self, "_tail_parts", {}), i: memo}
             parts.append(memo[2])
         elif self.tail_n[i]:
@@ -172,4 +208,6 @@ class RowViews:
                 kc, vc = self.row_codec(0, i), self.row_codec(1, i)
                 parts.append(CodedPart(kc, kc.encode(t["k"][:, :, :old]), vc, vc.encode(t["v"][:, :, :old])))
             parts.append(ExactPart(t["k"][:, :, old:], t["v"][:, :, old:]) if old else ExactPart(t["k"], t["v"]))
+            if mu is not None:
+                parts[-1] = self._exact_offset(parts[-1], mu, [self.lengths[i] - self.tail_n[i] + old])
         return parts

@@ -279,11 +279,16 @@ def restore_rows(cls, state: Dict[str, Any], meta: Dict[str, Any], options, wind
             except ValueError as e:
                 raise _fail(cls, str(e)) from None
         counts[prefix] = codec.n_tokens(loaded[prefix]) if loaded[prefix] else 0
+    rows = {a.shape[0] * a.shape[1] for p in (s_, t_, kc_, cv_) for a in loaded[p].values() if a.ndim >= 2}
     for prefix, codec in ((kfit_, codecs[0]), (vfit_, codecs[1])):
         try:
             codec.load_fitted(loaded[prefix]) if loaded[prefix] else None  # (a copy made by make(): checks only)
         except ValueError as e:
             raise _fail(cls, f"{prefix}*: {e}") from None
+        for n, a in loaded[prefix].items():  # one row per (sequence, head) the stores hold
+            if len(rows) == 1 and a.shape[0] not in rows:
+                raise _fail(cls, f"fitted array {prefix}{n} has {a.shape[0]} rows, but the stores hold "
+                                 f"{rows.pop()} (sequence, head) rows")
     stores = meta["stores"]
     expected = {s_: stores["sink"], t_: stores["tail"], kc_: stores["codes"], cv_: stores["codes"]}
     for prefix, n in counts.items():

@@ -83,14 +83,17 @@ class AffineRotatedCodec(PerTokenLayout):
         self.seed, self.rotation_kind = seed, rotation
         self.rotation = make_rotation(d, seed, rotation)
         self.mean: Optional[mx.array] = None  # (H, d) float32
+        self.rope_mean: Optional[mx.array] = None  # (H, d) float32, carried for the cache (`carries_rope_mean`)
 
     @classmethod
     def from_options(cls, options, role: str, d: int):
         """The keys' or values' codec of a cache (keys and values get independent rotations; the keys' kind is
         ``options.key_rotation`` when set)."""
         if role == "keys":
-            return cls(d, options.k_bits, options.group_size, seed=options.seed,
-                       rotation=options.key_rotation or options.rotation, center=options.center_keys)
+            codec = cls(d, options.k_bits, options.group_size, seed=options.seed,
+                        rotation=options.key_rotation or options.rotation, center=options.center_keys)
+            codec.carries_rope_mean = bool(getattr(options, "rope_offset", False))
+            return codec
         return cls(d, options.v_bits, options.group_size, seed=options.seed + 1000, rotation=options.rotation,
                    center=options.center_values)
 
@@ -105,18 +108,36 @@ class AffineRotatedCodec(PerTokenLayout):
         return self.d * self.bits / 8 + 2 * (self.d // self.group_size) * itemsize
 
     # -- fitting: the per-head channel mean mu (H, d) float32 when centred ------------------------
+    # Keys of a cache with ``rope_offset`` (`CacheOptions`) also carry ``rope_mean`` (H, d) float32: the mean before
+    # RoPE the cache subtracts, rotated to each position, before coding (`veloxquant_mlx.quant.rope`). The codec
+    # does not read it; it is a fitted parameter so that it travels with the codes (batch rows, saved states).
+    ROPE_OFFSET = True
+    carries_rope_mean = False
+
     def fitted_spec(self, heads: int):
-        return {"mean": ((heads, self.d), mx.float32)} if self.center else {}
+        spec = {"mean": ((heads, self.d), mx.float32)} if self.center else {}
+        if self.carries_rope_mean:
+            spec["rope_mean"] = ((heads, self.d), mx.float32)
+        return spec
 
     def fitted_from(self, x: mx.array) -> Dict[str, mx.array]:
+        """The channel mean of ``x`` when centred; with ``rope_mean`` carried, zeros for it (keys without their
+        positions give no offset: the cache fits it, `veloxquant_mlx.quant.rope.fit_mean`)."""
         check_heads("x", x, self.d)
-        return {"mean": finite_channel_mean(f32(x))} if self.center else {}
+        out = {"mean": finite_channel_mean(f32(x))} if self.center else {}
+        if self.carries_rope_mean:
+            out["rope_mean"] = mx.zeros((x.shape[1], self.d), dtype=mx.float32)
+        return out
 
     def _set_fitted(self, arrays: Dict[str, mx.array]) -> None:
         self.mean = arrays.get("mean")
+        self.rope_mean = arrays.get("rope_mean")
 
     def fitted_arrays(self) -> Dict[str, mx.array]:
-        return {} if self.mean is None else {"mean": self.mean}
+        out = {} if self.mean is None else {"mean": self.mean}
+        if self.rope_mean is not None:
+            out["rope_mean"] = self.rope_mean
+        return out
 
     # -- layout -----------------------------------------------------------------------------------
     def token_fields(self):

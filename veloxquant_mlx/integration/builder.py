@@ -30,6 +30,7 @@ from veloxquant_mlx.integration.scan import (_model_modules, _reads_member_array
                                              fetches_real_arrays, uniform_head_dim)
 from veloxquant_mlx.cache.options import adapted_reason
 from veloxquant_mlx.cache.presets import resolve_options
+from veloxquant_mlx.quant.rope import frame_of
 from veloxquant_mlx.validate import check_bool, check_int
 
 # The cache classes this module builds and converts (the only imports of cache classes here); the classes known by
@@ -130,6 +131,31 @@ class KVCacheBuilder:
                               "(their queries read channels whose keys vary little)")
         return out
 
+    def _with_rope(self, model, base: List[Any], per_layer: List[Any], head_dim: Optional[int]) -> List[Any]:
+        """Layers with ``rope_offset`` get their RoPE as a `RopeFrame` (``key_rope``, read once per model); a layer
+        whose RoPE cannot be read, or a sliding window (its slots are not positions), keeps post-RoPE codes, and
+        `notes` says which and why in one line."""
+        if not any(o.kind == "packed" and o.rope_offset and o.key_rope is None for o in per_layer):
+            return per_layer
+        frames = _rope_frames(model, len(per_layer), head_dim)
+        out, plain = [], {}
+        for i, o in enumerate(per_layer):
+            if not (o.kind == "packed" and o.rope_offset and o.key_rope is None):
+                out.append(o)
+                continue
+            frame, why = frames[i]
+            if type(base[i]) is not mlx_cache.KVCache:
+                frame, why = None, "sliding-window or non-attention caches"
+            if frame is None:
+                plain.setdefault(why, []).append(i)
+                out.append(dataclasses.replace(o, rope_offset=False))
+            else:
+                out.append(dataclasses.replace(o, key_rope=(frame.dims, frame.traditional, frame.rates)))
+        for why, layers in plain.items():
+            self.notes.append(f"rope_offset: layer{'s' if len(layers) > 1 else ''} {_ranges(layers)} keep keys coded "
+                              f"after RoPE without the offset ({why})")
+        return out
+
     def _model_facts(self, model) -> tuple:
         """``(uniform_head_dim, fetches_real_arrays, reads CacheList members raw)`` of ``model``: read from its
         modules and source once (~3 ms), then kept while the builder builds for the same model (every request of
@@ -162,6 +188,7 @@ class KVCacheBuilder:
         per_layer = self._calibrated(model, per_layer)
         self.notes = []  # how the layout was fitted to this head_dim (said by `enable`)
         per_layer = self._probed(model, base, per_layer)
+        per_layer = self._with_rope(model, base, per_layer, head_dim)
         if head_dim is not None:  # options no layout can take at this head_dim say so now, not at the first update
             for opts in {o.layer_options() for o in per_layer if o.kind == "packed"}:
                 note = adapted_reason(opts, opts.for_dims(head_dim, head_dim), head_dim, head_dim)
@@ -194,6 +221,48 @@ class KVCacheBuilder:
                                          self._convert(c, options, placeholders) for i, c in enumerate(cache.caches)))
         convert = CACHE_KINDS.get(type(cache))
         return cache if convert is None else convert(cache, options, placeholders)  # SSM / arrays: the model's own
+
+
+def _ranges(layers: List[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    out, start = [], layers[0]
+    for a, b in zip(layers, layers[1:] + [None]):
+        if b != a + 1:
+            out.append(str(start) if start == a else f"{start}-{a}")
+            start = b
+    return ", ".join(out)
+
+
+# id(model) -> (weakref to it, [(RopeFrame or None, why)] per layer): RoPE read once per model (a server builds per
+# request)
+_ROPE_FRAMES: Dict[int, Tuple[Any, list]] = {}
+
+
+def _rope_frames(model, n_layers: int, head_dim: Optional[int]) -> list:
+    """Per layer ``(RopeFrame, "")`` of its attention's RoPE module (`veloxquant_mlx.quant.rope.frame_of`), or
+    ``(None, why)``."""
+    hit = _ROPE_FRAMES.get(id(model))
+    if hit is not None and hit[0]() is model and len(hit[1]) == n_layers:
+        return hit[1]
+    layers = list(getattr(model, "layers", []))
+    out = []
+    for i in range(n_layers):
+        if len(layers) != n_layers:
+            out.append((None, "the model's caches do not map one to one onto its layers"))
+            continue
+        attn = next((getattr(layers[i], n) for n in ("self_attn", "attention", "attn") if hasattr(layers[i], n)),
+                    None)
+        rope = getattr(attn, "rope", None) if attn is not None else None
+        dim = head_dim or getattr(attn, "head_dim", None)
+        if rope is None or not isinstance(dim, int):
+            out.append((None, "no RoPE module the builder can read"))
+            continue
+        out.append(frame_of(rope, dim))
+    try:
+        _ROPE_FRAMES[id(model)] = (weakref.ref(model), out)
+    except TypeError:  # (a stand-in model that cannot be weakly referenced: read again next time)
+        pass
+    return out
 
 
 def _open_key_rotation(options) -> bool:

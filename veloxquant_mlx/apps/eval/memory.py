@@ -17,6 +17,7 @@ from types import SimpleNamespace
 from typing import Sequence
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from veloxquant_mlx.integration.model_shape import local_kv_heads, model_kv_shape
@@ -86,7 +87,10 @@ def _stub_model(n_layers: int, kv_heads: int, head_dim: int):
         hidden_size=kv_heads * head_dim,
         num_hidden_layers=n_layers,
     )
-    return SimpleNamespace(layers=[None] * n_layers, args=args, model_type="stub")
+    # each layer's attention with a standard RoPE: a layout storing keys less their rotated mean (rope_offset)
+    # stores that mean here as it does in a model
+    layer = SimpleNamespace(self_attn=SimpleNamespace(rope=nn.RoPE(head_dim), head_dim=head_dim))
+    return SimpleNamespace(layers=[layer] * n_layers, args=args, model_type="stub")
 
 
 # The context `veloxquant methods` and the server report bits at (the budgets are set at 2048 and 4096).

@@ -432,6 +432,9 @@ struct Problem {
   // A second coded part (a cache's coded tail: tokens waiting for their key block, coded per token), read in the
   // same pass and the same softmax: its own codes, rotations, means and mask; no spans, no second streams.
   const Problem* tail = nullptr;
+  // (G, R, n) float32 added to the coded tokens' scores (log2 units): what the keys lack when a cache stores them
+  // less their rotated mean before RoPE (q . R_t mu, computed by the caller per block of tokens), or null.
+  const float* bias = nullptr;
 };
 
 // One task's online-softmax state for R query rows: running max m, sum l, unnormalized output o (R x dv).
@@ -1093,6 +1096,11 @@ void coded_task(const Problem& pr, int64_t g, int64_t t_begin, int64_t t_end, in
     }
     if (signs) score_sign_tokens(pr.k2, g, R, sign_tables.data(), t0, nt, s);
     else if (pr.has_k2 && !pr.k2_summed) score_tokens<true>(pr.k2, g, R, q2, qgs2, nullptr, t0, nt, s);
+    if (pr.bias)
+      for (int r = 0; r < R; ++r) {
+        const float* b = pr.bias + (g * R + r) * pr.n + t0;
+        for (int tt = 0; tt < nt; ++tt) s[r * TILE + tt] += b[tt];
+      }
     if (mask)
       for (int r = 0; r < R; ++r)
         for (int tt = 0; tt < nt; ++tt)
@@ -1277,13 +1285,14 @@ struct Params {
   int t_k_bits, t_k_group, t_v_bits, t_v_group;
   float t_k_zero, t_v_zero;  // symmetric levels' zero where there are no biases
   bool t_has_kb, t_has_vb, t_has_kmu, t_has_vmu, t_has_cmask;
+  bool has_cbias, has_tbias;  // score biases of the coded part and of the tail (Problem::bias)
 
   bool operator==(const Params& o) const { return std::memcmp(this, &o, sizeof(Params)) == 0; }
 };
 
 // inputs: q, pk, pv, kw, ks, [kb], vw, vs, [vb], ek, ev, [kmu], [vmu], [cmask], [emask], [sinks], [k_levels],
 // [v_levels], [k2w, k2s, pk2, k2_levels], [v2w, v2_levels], [tkw, tks, [tkb], tvw, tvs, [tvb], tpk, tpv, [tkmu],
-// [tvmu], [tcmask]]
+// [tvmu], [tcmask]], [cbias], [tbias]
 class CodedDecodeAttention : public UnaryPrimitive {
  public:
   CodedDecodeAttention(Stream s, Params p, std::vector<int64_t> spans)
@@ -1356,6 +1365,8 @@ void CodedDecodeAttention::eval_cpu(const std::vector<array>& inputs, array& out
       if (p.t_has_vmu) tvmu = &inputs[i++];
       if (p.t_has_cmask) tcmask = &inputs[i++];
     }
+    const array* cbias = p.has_cbias ? &inputs[i++] : nullptr;
+    const array* tbias = p.has_tbias ? &inputs[i++] : nullptr;
     for (const array& a : inputs)  // views of buffers keep a contiguous last axis; anything else is a bug here
       if (a.ndim() && a.strides().back() != 1 && a.shape().back() > 1)
         throw std::runtime_error("veloxquant coded attention: an input's last axis is not contiguous");
@@ -1415,6 +1426,7 @@ void CodedDecodeAttention::eval_cpu(const std::vector<array>& inputs, array& out
     pr.sinks = sinks ? sinks->data<float>() : nullptr;
     pr.out = out.data<float>();
     pr.spans = spans;
+    pr.bias = cbias ? cbias->data<float>() : nullptr;
     Problem tail;
     if (tkw) {  // the same queries, exact tokens and output; its own codes, rotations, means and mask
       tail = pr;
@@ -1434,6 +1446,7 @@ void CodedDecodeAttention::eval_cpu(const std::vector<array>& inputs, array& out
       tail.vmu = tvmu ? tvmu->data<float>() : nullptr;
       tail.vmu_rows = tvmu ? tvmu->shape(0) : 0;
       tail.cmask = tcmask ? tcmask->data<uint8_t>() : nullptr;
+      tail.bias = tbias ? tbias->data<float>() : nullptr;
       pr.tail = &tail;
     }
     solve(pr);
@@ -1496,7 +1509,8 @@ array coded_decode_attention(const array& q, const array& pk, const array& pv, c
                              const std::optional<array>& v2_levels, int v2_bits,
                              const std::optional<std::vector<int64_t>>& spans,
                              const std::optional<std::vector<array>>& tail, const std::optional<std::vector<int>>& tail_layout,
-                             float tail_k_zero, float tail_v_zero) {
+                             float tail_k_zero, float tail_v_zero, const std::optional<array>& cbias,
+                             const std::optional<array>& tbias) {
   require(q.dtype() == float32 && q.ndim() == 4, "q must be float32 (B, Hkv, R, d), got " + shape_str(q));
   int B = q.shape(0), H = q.shape(1), R = q.shape(2), d = q.shape(3);
   int64_t G = int64_t(B) * H;
@@ -1593,12 +1607,18 @@ array coded_decode_attention(const array& q, const array& pk, const array& pv, c
                            t[10].shape(1) == tn),
             "tail mask must be bool (B*H, tail tokens)");
   }
+  // Score biases: float32 (B*H, R, n) for the coded part, (B*H, R, tail tokens) for the tail.
+  require(!cbias || (cbias->dtype() == float32 && cbias->shape() == Shape{int(G), int(R), int(n)}),
+          "cbias must be float32 (B*H, R, n), got " + (cbias ? shape_str(*cbias) : std::string()));
+  require(!tbias || (tail && tbias->dtype() == float32 && tbias->shape() == Shape{int(G), int(R), int(tn)}),
+          "tbias must be float32 (B*H, R, tail tokens) and comes with a tail, got " +
+              (tbias ? shape_str(*tbias) : std::string()));
   Params p{k_tokens_last, v_tokens_last, k_bits, k_group, v_bits, v_group, v_zero, bool(kb), bool(kmu), bool(vmu), bool(vb),
            bool(cmask), bool(emask), bool(sinks), bool(k_levels), bool(v_levels), has_k2 ? k2_bits : 0,
            k2_summed ? k_group : (has_k2 ? m2 : 0), has_v2 ? v2_bits : 0, k2_summed,
            tail ? (*tail_layout)[0] : 0, tail ? (*tail_layout)[1] : 0, tail ? (*tail_layout)[2] : 0,
            tail ? (*tail_layout)[3] : 0, tail ? tail_k_zero : 0.0f, tail ? tail_v_zero : 0.0f, tail && given(2), tail && given(5),
-           tail && given(8), tail && given(9), tail && given(10)};
+           tail && given(8), tail && given(9), tail && given(10), bool(cbias), bool(tbias)};
   // Small inputs are made contiguous; codes and exact tokens are read through their strides (cache views). Arrays
   // already evaluated and contiguous (rotations, levels, means: the same every step) pass as they are: one graph
   // node fewer each per layer and step.
@@ -1630,6 +1650,8 @@ array coded_decode_attention(const array& q, const array& pk, const array& pv, c
   if (tail)  // codes through their strides (cache views); the rest contiguous
     for (int j = 0; j < 11; ++j)
       if (given(j)) in.push_back(j <= 5 ? (*tail)[j] : c((*tail)[j]));
+  if (cbias) in.push_back(c(*cbias));
+  if (tbias) in.push_back(c(*tbias));
   // On the caller's current stream (mlx_lm decodes inside its own generation stream): a primitive on another
   // stream than the ops producing its inputs was measured reading the exact tokens before they were written.
   Stream s = to_stream(StreamOrDevice{});
@@ -1726,8 +1748,9 @@ NB_MODULE(_coded_attention, m) {
         nb::arg("k2_levels").none() = nb::none(), nb::arg("k2_bits") = 0, nb::arg("v2w").none() = nb::none(),
         nb::arg("v2_levels").none() = nb::none(), nb::arg("v2_bits") = 0, nb::arg("spans").none() = nb::none(),
         nb::arg("tail").none() = nb::none(), nb::arg("tail_layout").none() = nb::none(), nb::arg("tail_k_zero") = 0.0f,
-        nb::arg("tail_v_zero") = 0.0f);
-  m.attr("reads_tail") = true;  // coded_decode_attention takes a second coded part (kernel.py asks)
+        nb::arg("tail_v_zero") = 0.0f, nb::arg("cbias").none() = nb::none(), nb::arg("tbias").none() = nb::none());
+  m.attr("reads_tail") = true;
+  m.attr("reads_score_bias") = true;  // cbias / tbias: a key offset's scores (kernel.py asks)  // coded_decode_attention takes a second coded part (kernel.py asks)
   bind_affine_encode(m);
   bind_gather_rows(m);
 }
