@@ -127,6 +127,20 @@ def aligned_table(head: Sequence[str], rows: Sequence[Sequence[Any]], sep: str =
 
 # -- caches by configuration name (e2e_speed.py, probes/step_profile.py) ---------------------------------------------
 
+def preset_with_options(name: str):
+    """``"PRESET+option+key=value"`` -> ``("PRESET", {"option": True, "key": value})`` (ints where they read as
+    ints): a preset with some options changed, as one ``--configs`` entry (``tq-4b+rope_offset``)."""
+    preset, *changes = name.split("+")
+    options = {}
+    for change in changes:
+        key, eq, value = change.partition("=")
+        if not key:
+            raise ValueError(f"config {name!r}: an empty option after '+'")
+        options[key] = True if not eq else (int(value) if value.lstrip("-").isdigit() else
+                                            {"true": True, "false": False}.get(value.lower(), value))
+    return preset, options
+
+
 def registered(name: str):
     """The registered TurboQuant method called ``name`` (its `CacheSpec`), or None."""
     from veloxquant_mlx.apps.eval.specs import compressed_specs

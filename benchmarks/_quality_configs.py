@@ -170,6 +170,9 @@ OURS = {
     **{f"tq{b}-ct-ro": _preset_variant(f"tq-{b}b", codec="kblock_vsym8_pt", center_keys=True, rope_offset=True)
        for b in (4, 3, 2)},
     **{f"tq{b}-ro": _preset_variant(f"tq-{b}b", rope_offset=True) for b in (4, 3, 2)},
+    # ... the coded tail's provisional keys at the block bits (E = 0: the budget holds from 512 tokens on)
+    **{f"tq{b}-ct0-ro": _preset_variant(f"tq-{b}b", codec=_tail_layout(0), center_keys=True, rope_offset=True)
+       for b in (4, 3, 2)},
     # The seed's cache: two b-bit RVQ key streams, float16 values.
     "seed-rvq-b1": dict(kind="rvq", k_bits=1),
     "seed-rvq-b2": dict(kind="rvq", k_bits=2),

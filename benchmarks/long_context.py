@@ -6,7 +6,8 @@ child process (peak process memory means nothing after a longer run), which, for
 1. builds the caches as a user gets them: ``plain`` = mlx_lm's ``make_prompt_cache(model)`` with nothing of ours
    (Gemma: a ``RotatingKVCache`` per 512-token window layer, a ``KVCache`` per global one); a preset name (``default``
    = `veloxquant_mlx.cache.presets.DEFAULT_NAME`) = ``veloxquant_mlx.enable(model, PRESET)`` then mlx_lm's
-   ``make_prompt_cache(model)``;
+   ``make_prompt_cache(model)``; ``PRESET+option[=value]`` = the preset with those options changed
+   (``tq-4b+rope_offset``, ``tq-4b+codec=kblock_vsym8_pt+center_keys``);
 2. runs mlx_lm's ``generate_step`` over the L-token prompt (corpus text, repeated if shorter; chunks of
    ``--prefill-step``, mlx_lm's default 2048) and ``--decode`` greedy tokens, timing the prefill (until the first
    token is out) and the decode (tok/s over the tokens after the first: unpaired, one run);
@@ -99,7 +100,8 @@ def run_length(model_name: str, length: int, configs, decode: int, prefill_step:
     rec = {"length": length, "weights_bytes": int(weights), "model_rss_bytes": rss_model, "configs": {}}
     caches, last = {}, {}
     for name in configs:
-        preset = DEFAULT_NAME if name == "default" else name
+        preset, options = _common.preset_with_options(name)
+        preset = DEFAULT_NAME if preset == "default" else preset
         gc.collect()
         mx.clear_cache()
         mx.reset_peak_memory()
@@ -107,7 +109,7 @@ def run_length(model_name: str, length: int, configs, decode: int, prefill_step:
         rss0 = _status_kib("VmRSS") * 1024
         hwm_ok = _reset_peak_rss()
         if name != "plain":
-            vq.enable(model, preset)
+            vq.enable(model, preset, **options)
         cache = make_prompt_cache(model)
         t0 = time.perf_counter()
         gen = generate_step(prompt, model, prompt_cache=cache, max_tokens=decode, prefill_step_size=prefill_step)
@@ -126,7 +128,7 @@ def run_length(model_name: str, length: int, configs, decode: int, prefill_step:
         if name != "plain":
             vq.disable(model)  # our caches attend from their codes while alive (step 4 runs the model plain)
         nbytes = cache_bytes(cache)
-        r = {"preset": None if name == "plain" else preset, "cache_bytes": nbytes,
+        r = {"preset": None if name == "plain" else preset, "options": options, "cache_bytes": nbytes,
              "bits": 8 * nbytes / _kv_coords(model, length + len(toks)),
              "prefill_s": t1 - t0, "prefill_tok_s": length / (t1 - t0),
              "decode_tok_s_unpaired": (len(toks) - 1) / (t2 - t1), "generate_step_seconds": gen_steps,
@@ -172,7 +174,8 @@ def main(argv=None):
     _common.add_model(ap, default="gemma3-270m")
     ap.add_argument("--lengths", type=_common.positive_ints, default=[4096, 8192, 32768])
     ap.add_argument("--configs", default="plain,default,tq-4b",
-                    help="comma list: plain, default, or preset names (the first is the paired reference)")
+                    help="comma list: plain, default, or preset names, each with options changed as "
+                         "PRESET+option[=value] (tq-4b+rope_offset); the first is the paired reference")
     ap.add_argument("--decode", type=int, default=100, help="generate_step tokens after the prompt")
     ap.add_argument("--prefill-step", type=int, default=2048, help="mlx_lm's prefill_step_size")
     ap.add_argument("--steps", type=int, default=32, help="paired decode steps per config per round")

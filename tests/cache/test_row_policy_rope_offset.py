@@ -35,6 +35,10 @@ def _options(codec="kblock_vsym8", offset=True, **changes):
                                                   "key_rope": FRAME.to_list(), **extra, **changes})
 
 
+def _window_options(rope_offset):
+    return CacheOptions(codec="affine", k_bits=4, rope_offset=rope_offset, key_rope=FRAME.to_list())
+
+
 def _keys(T, seed=0, B=1):
     """Keys after RoPE of pre-RoPE keys with a strong per-head mean (what the offset is for), values."""
     g = np.random.default_rng(seed)
@@ -166,9 +170,28 @@ def test_bad_options_are_refused_clearly():
     k, v = _keys(4)
     with pytest.raises(ValueError, match="needs the layer's RoPE"):
         TurboQuantPackedCache(_options(key_rope=None)).update_and_fetch(k, v)
-    with pytest.raises(ValueError, match="sliding window"):
-        TurboQuantRotatingPackedCache(_options(), max_size=32, keep=0).update_and_fetch(k, v)
+    with pytest.raises(ValueError, match="rope_offset applies to full-attention caches"):
+        TurboQuantRotatingPackedCache(_window_options(True), max_size=32, keep=0).update_and_fetch(k, v)
     assert CacheOptions.from_dict(_options().to_dict()) == _options()  # (JSON round trip of the frame)
+    with pytest.raises(ValueError, match="True, False or 'auto'"):
+        _options(rope_offset="yes")
+
+
+def test_auto_offsets_where_the_rope_is_known():
+    """``rope_offset="auto"``: a cache given its layer's RoPE stores keys less their offset; one built alone (no
+    model to read a RoPE from) or a sliding window codes post-RoPE, as ``rope_offset=False``, byte for byte."""
+    k, v = _keys(300)
+    auto = _feed(TurboQuantPackedCache(_options(rope_offset="auto")), k, v)
+    assert auto.rows.k_codec.rope_mean is not None
+    on = _feed(TurboQuantPackedCache(_options(rope_offset=True)), k, v)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(auto.keys_and_values(), on.keys_and_values()))
+    alone = _feed(TurboQuantPackedCache(_options(rope_offset="auto", key_rope=None)), k, v)
+    off = _feed(TurboQuantPackedCache(_options(offset=False, key_rope=None)), k, v)
+    assert alone.rows.rope is None and alone.nbytes == off.nbytes
+    assert all(mx.array_equal(a, b).item() for a, b in zip(alone.keys_and_values(), off.keys_and_values()))
+    window = TurboQuantRotatingPackedCache(_window_options("auto"), max_size=32, keep=0)
+    _feed(window, k[:, :, :40], v[:, :, :40], chunk=1)
+    assert window.rows.rope is None
 
 
 def _tiny_llama():
@@ -193,7 +216,7 @@ def test_the_builder_reads_each_layers_rope():
     assert caches[0].rows.k_codec.rope_mean is not None
 
 
-def test_sliding_windows_and_unreadable_ropes_stay_post_rope_and_enable_says_so():
+def test_sliding_windows_stay_post_rope_and_an_unreadable_rope_too_with_one_line():
     mx.random.seed(0)
     model = gemma3_text.Model(gemma3_text.ModelArgs(
         model_type="gemma3_text", num_hidden_layers=3, head_dim=32, sliding_window=16, sliding_window_pattern=3,
@@ -204,16 +227,25 @@ def test_sliding_windows_and_unreadable_ropes_stay_post_rope_and_enable_says_so(
         warnings.simplefilter("always")
         vq.enable(model, "tq-4b", rope_offset=True)
     try:
-        lines = [str(w.message) for w in said if "rope_offset" in str(w.message)]
-        assert lines == ["veloxquant_mlx: rope_offset: layers 0-1 keep keys coded after RoPE without the offset "
-                         "(sliding-window or non-attention caches)"], [str(w.message) for w in said]
+        assert not [w for w in said if "rope_offset" in str(w.message)], [str(w.message) for w in said]
         caches = model.make_cache()
         assert [c.options.rope_offset for c in caches] == [False, False, True]
     finally:
         vq.disable(model)
-    # a RoPE that scales its input (YaRN's mscale) is not a rotation: left post-RoPE, with its reason
-    from mlx_lm.models import rope_utils
-    yarn = rope_utils.initialize_rope(32, 10000.0, False, {"rope_type": "yarn", "factor": 4.0,
-                                                           "original_max_position_embeddings": 64}, 256)
-    frame, why = frame_of(yarn, 32)
-    assert frame is None and "not a per-pair rotation" in why
+    # a RoPE that scales its input (YaRN's mscale) is not a rotation: left post-RoPE, enable says so in one line
+    mx.random.seed(0)
+    yarn = llama.Model(llama.ModelArgs(model_type="llama", num_hidden_layers=2, rms_norm_eps=1e-5, hidden_size=128,
+                                       intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                       vocab_size=128, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                                     "original_max_position_embeddings": 64}))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        vq.enable(yarn, "tq-4b", rope_offset=True)
+    try:
+        lines = [str(w.message) for w in said if "rope_offset" in str(w.message)]
+        assert len(lines) == 1 and lines[0].startswith("veloxquant_mlx: rope_offset: layers 0-1 keep keys coded "
+                                                       "after RoPE without the offset (YarnRoPE is not a per-pair "
+                                                       "rotation"), lines
+        assert not any(c.options.rope_offset for c in yarn.make_cache())
+    finally:
+        vq.disable(yarn)

@@ -80,7 +80,9 @@ class CacheOptions:
         mu``), and add ``q . R_t mu`` back in attention: the mean a rotating RoPE pair carries is not spread into
         every token's codes (issue 54: most of what coding keys before RoPE gains, with the codes still after RoPE).
         ``mu`` is fitted per sequence on its first tokens after the sink. Full-attention layers of the block key
-        layouts, without an exact window (``recent`` 0); needs the layer's RoPE (``key_rope``).
+        layouts, without an exact window (``recent`` 0); needs the layer's RoPE (``key_rope``). True: required
+        (a cache without ``key_rope`` refuses its first update); "auto": where the layer's RoPE is known (a cache
+        built for a model), post-RoPE codes elsewhere (a cache built alone, a sliding window); False: never.
     key_rope: one layer's RoPE as a per-pair rotation, ``(dims, traditional, rates)``
         (`veloxquant_mlx.quant.rope.RopeFrame`): the builder reads it from the layer's RoPE module when
         ``rope_offset`` is set (a layer whose RoPE it cannot read keeps post-RoPE codes, and `enable` says so).
@@ -127,7 +129,7 @@ class CacheOptions:
     window_recent: int = 0
     window_k_bits: int = 0
     key_rotation: Union[None, str, Tuple[str, ...]] = None
-    rope_offset: bool = False
+    rope_offset: Union[bool, str] = False
     key_rope: Optional[tuple] = dataclasses.field(default=None, repr=False)
     calibration_id: Optional[str] = None
     channel_log2: Optional[Tuple[Tuple[Tuple[int, ...], ...], Tuple[Tuple[int, ...], ...]]] = \
@@ -149,8 +151,10 @@ class CacheOptions:
         set_("code_batch", check_int("code_batch", self.code_batch, 1, 4096))
         set_("jl_dim", check_int("jl_dim", self.jl_dim, 1, optional=True))
         set_("head_dim", check_int("head_dim", self.head_dim, 1, optional=True))
-        for name in ("center_keys", "center_values", "value_outliers", "rope_offset"):
+        for name in ("center_keys", "center_values", "value_outliers"):
             set_(name, check_bool(name, getattr(self, name)))
+        if not (isinstance(self.rope_offset, bool) or self.rope_offset == "auto"):
+            raise ValueError(f"rope_offset must be True, False or 'auto', got {self.rope_offset!r}")
         check_choice("rotation", self.rotation, ROTATIONS)
         set_("key_rotation", self._checked_key_rotation(layout))
         self._check_codec_options(layout)

@@ -84,7 +84,7 @@ class Rows(RowViews):
         row: the RoPE position mlx_lm gives it (the caches' offsets count stored tokens)."""
         memo = getattr(self, "_rope", None)
         if memo is None or memo[0] is not self.options:
-            memo = self._rope = (self.options, self.options.rope_frame)
+            memo = self._rope = (self.options, None if self.window else self.options.rope_frame)
         return memo[1]
 
     def rope_mu(self, i: Optional[int] = None) -> Optional[mx.array]:
@@ -102,7 +102,7 @@ class Rows(RowViews):
         next `STEP_TABLE` positions' offsets, kept while ``mu`` stays and the rows step together."""
         mu, lengths = self.rope_mu(), self.lengths
         memo = getattr(self, "_step_offsets", None)
-        k = lengths[0] - memo[1][0] if memo is not None and memo[0] is mu else -1
+        k = lengths[0] - memo[1][0] if memo is not None and memo[0] is mu and len(memo[1]) == len(lengths) else -1
         if not (0 <= k < self.STEP_TABLE and all(n - b == k for n, b in zip(lengths, memo[1]))):
             B, H, _, d = keys.shape
             starts = mx.repeat(mx.array(lengths, dtype=mx.int32), H)
@@ -169,7 +169,7 @@ class Rows(RowViews):
             raise ValueError(f"keys have head_dim {k_dim}, but the cache was set up for "
                              f"head_dim={self.options.head_dim}")
         self.options = self.options.for_dims(k_dim, v_dim)  # (as the cache's first update decided: the same)
-        if self.options.rope_offset:
+        if self.options.rope_offset is True:  # ("auto": where the layer's RoPE is known, not in a window)
             if self.window:
                 raise ValueError("rope_offset applies to full-attention caches: a sliding window's slots are not "
                                  "its tokens' positions (the builder leaves window layers without it)")

@@ -92,7 +92,7 @@ class AffineRotatedCodec(PerTokenLayout):
         if role == "keys":
             codec = cls(d, options.k_bits, options.group_size, seed=options.seed,
                         rotation=options.key_rotation or options.rotation, center=options.center_keys)
-            codec.carries_rope_mean = bool(getattr(options, "rope_offset", False))
+            codec.carries_rope_mean = getattr(options, "rope_frame", None) is not None
             return codec
         return cls(d, options.v_bits, options.group_size, seed=options.seed + 1000, rotation=options.rotation,
                    center=options.center_values)

@@ -132,9 +132,9 @@ class KVCacheBuilder:
         return out
 
     def _with_rope(self, model, base: List[Any], per_layer: List[Any], head_dim: Optional[int]) -> List[Any]:
-        """Layers with ``rope_offset`` get their RoPE as a `RopeFrame` (``key_rope``, read once per model); a layer
-        whose RoPE cannot be read, or a sliding window (its slots are not positions), keeps post-RoPE codes, and
-        `notes` says which and why in one line."""
+        """Layers with ``rope_offset`` get their RoPE as a `RopeFrame` (``key_rope``, read once per model); a
+        sliding window (its slots are not positions) keeps post-RoPE codes, as documented; a layer whose RoPE cannot
+        be read does too, and `notes` says which and why in one line."""
         if not any(o.kind == "packed" and o.rope_offset and o.key_rope is None for o in per_layer):
             return per_layer
         frames = _rope_frames(model, len(per_layer), head_dim)
@@ -144,8 +144,9 @@ class KVCacheBuilder:
                 out.append(o)
                 continue
             frame, why = frames[i]
-            if type(base[i]) is not mlx_cache.KVCache:
-                frame, why = None, "sliding-window or non-attention caches"
+            if type(base[i]) is not mlx_cache.KVCache:  # (a sliding window, a chunked layer: slots, not positions)
+                out.append(dataclasses.replace(o, rope_offset=False))
+                continue
             if frame is None:
                 plain.setdefault(why, []).append(i)
                 out.append(dataclasses.replace(o, rope_offset=False))
