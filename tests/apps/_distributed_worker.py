@@ -14,8 +14,13 @@ import json
 import os
 import sys
 
-import mlx.core as mx
-import numpy as np
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # (as tests/conftest.py: one thread, bit-for-bit comparable)
+from veloxquant_mlx.apps.blas import load_openblas_global  # noqa: E402 - imports no MLX
+
+load_openblas_global()  # Debian's OpenBLAS where installed, as the apps' ranks get it (`ensure_openblas`)
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
 
 OPTIONS = dict(k_bits=8, v_bits=8, codec="affine_block", sink=4)
 PROMPT = [int(t) for t in np.random.default_rng(7).integers(1, 120, 100)]  # > one 64-token key block

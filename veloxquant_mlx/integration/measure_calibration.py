@@ -146,18 +146,29 @@ def calibrate(model, tokens=None, *, tokenizer=None, power: float = 0.25, chunk:
     return Calibration(arrays=arrays, model=model_fingerprint(model), text=text, power=float(power))
 
 
+def _pipelined(model) -> bool:
+    """Whether ``model`` (or a module of it) is split by layers over ranks (mlx_lm's ``pipeline``: its
+    ``pipeline_size`` above 1)."""
+    modules = model.modules() if callable(getattr(model, "modules", None)) else [model]
+    return any(isinstance(getattr(m, "pipeline_size", None), int) and m.pipeline_size > 1 for m in modules)
+
+
 def _measure(model, seqs: List[List[int]], chunk: int, *, progress: bool = False, t0: float = 0.0) -> dict:
     """`STATISTICS` of ``model`` over the token sequences ``seqs``: name -> float32 ``(layers, kv_heads, head_dim)``."""
     layers, kv_heads, head_dim = model_kv_shape(model)
     sums = [dict() for _ in range(layers)]
+    # The sums need no logits: the output head (the vocabulary times the hidden size per token: on SmolLM2-135M a
+    # fifth of the probe, nearly half of it on each rank of 3, where nothing else is replicated) and the last
+    # layer's MLP are left unevaluated, except on a pipeline-sharded model, whose ranks send to the next one as
+    # part of the logits. (Every rank of a tensor-parallel one evaluates the same arrays: the same collectives.)
+    pipelined = _pipelined(model)
     with use_packed_attention():
         for seq in seqs:
             cache = [_Recorder(sums[i]) for i in range(layers)]
             x = mx.array(seq, dtype=mx.int32)[None]
             for s in range(0, x.shape[1], chunk):
-                # the logits too: a pipeline-sharded model sends to the next rank as part of them
                 logits = model(x[:, s: s + chunk], cache=cache)
-                mx.eval([logits] + [d.get("k2") for d in sums] + [d.get("q2") for d in sums])
+                mx.eval(([logits] if pipelined else []) + [d.get("k2") for d in sums] + [d.get("q2") for d in sums])
             if progress:
                 print(f"calibrate: {len(seq)} tokens measured ({time.perf_counter() - t0:.0f} s)", flush=True)
     stats = {name: [] for name in ("key_variance", "query_power", "value_power", "output_power")}
