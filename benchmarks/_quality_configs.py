@@ -173,6 +173,9 @@ OURS = {
     # ... the coded tail's provisional keys at the block bits (E = 0: the budget holds from 512 tokens on)
     **{f"tq{b}-ct0-ro": _preset_variant(f"tq-{b}b", codec=_tail_layout(0), center_keys=True, rope_offset=True)
        for b in (4, 3, 2)},
+    # ... uncentred: the offset takes out the keys' static mean (what centring did) without a second fitted mean
+    **{f"tq{b}-pt0-ro": _preset_variant(f"tq-{b}b", codec=_tail_layout(0), rope_offset=True) for b in (4, 3, 2)},
+    **{f"tq{b}-pt1-ro": _preset_variant(f"tq-{b}b", codec=_tail_layout(1), rope_offset=True) for b in (4, 3, 2)},
     # The seed's cache: two b-bit RVQ key streams, float16 values.
     "seed-rvq-b1": dict(kind="rvq", k_bits=1),
     "seed-rvq-b2": dict(kind="rvq", k_bits=2),

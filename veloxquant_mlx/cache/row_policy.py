@@ -88,13 +88,13 @@ class Rows(RowViews):
         return memo[1]
 
     def rope_mu(self, i: Optional[int] = None) -> Optional[mx.array]:
-        """Every row's fitted mean before RoPE ``(B*H, d)`` float32 (row ``i``'s ``(H, d)``; zeros for rows not
+        """Every row's fitted mean before RoPE ``(B*H, d)`` float16 (row ``i``'s ``(H, d)``; zeros for rows not
         fitted yet: their keys are stored as they came), or None without ``rope_offset``."""
         if self.rope is None or self.dims is None:
             return None
         mu = getattr(self.k_codec, "rope_mean", None)
         if mu is None:
-            mu = mx.zeros((self.B * self.heads, self.dims[0]), dtype=mx.float32)
+            mu = mx.zeros((self.B * self.heads, self.dims[0]), dtype=mx.float16)
         return mu if i is None or self.B == 1 else mu[i * self.heads:(i + 1) * self.heads]
 
     def _less_step_offset(self, keys: mx.array) -> mx.array:
@@ -226,7 +226,7 @@ class Rows(RowViews):
         if self.rope is not None:
             if start is None:
                 raise RuntimeError("Rows: a row with rope_offset fits on arrival, where its positions are known")
-            mu = fit_mean(k, start, self.rope)
+            mu = fit_mean(k, start, self.rope).astype(mx.float16)  # (as stored: what is subtracted is added back)
             k = self._less_offset(k, (mx.arange(k.shape[2]) + start)[None], mu)
             if self.sink is not None and self.sink_n[i]:
                 n, S = self.sink_n[i], self.sink["k"].shape[2]

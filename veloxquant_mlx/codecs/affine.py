@@ -108,7 +108,7 @@ class AffineRotatedCodec(PerTokenLayout):
         return self.d * self.bits / 8 + 2 * (self.d // self.group_size) * itemsize
 
     # -- fitting: the per-head channel mean mu (H, d) float32 when centred ------------------------
-    # Keys of a cache with ``rope_offset`` (`CacheOptions`) also carry ``rope_mean`` (H, d) float32: the mean before
+    # Keys of a cache with ``rope_offset`` (`CacheOptions`) also carry ``rope_mean`` (H, d) float16: the mean before
     # RoPE the cache subtracts, rotated to each position, before coding (`veloxquant_mlx.quant.rope`). The codec
     # does not read it; it is a fitted parameter so that it travels with the codes (batch rows, saved states).
     ROPE_OFFSET = True
@@ -116,8 +116,8 @@ class AffineRotatedCodec(PerTokenLayout):
 
     def fitted_spec(self, heads: int):
         spec = {"mean": ((heads, self.d), mx.float32)} if self.center else {}
-        if self.carries_rope_mean:
-            spec["rope_mean"] = ((heads, self.d), mx.float32)
+        if self.carries_rope_mean:  # (float16: any mean is exact for attention, being added back as subtracted)
+            spec["rope_mean"] = ((heads, self.d), mx.float16)
         return spec
 
     def fitted_from(self, x: mx.array) -> Dict[str, mx.array]:
@@ -126,7 +126,7 @@ class AffineRotatedCodec(PerTokenLayout):
         check_heads("x", x, self.d)
         out = {"mean": finite_channel_mean(f32(x))} if self.center else {}
         if self.carries_rope_mean:
-            out["rope_mean"] = mx.zeros((x.shape[1], self.d), dtype=mx.float32)
+            out["rope_mean"] = mx.zeros((x.shape[1], self.d), dtype=mx.float16)
         return out
 
     def _set_fitted(self, arrays: Dict[str, mx.array]) -> None:

@@ -12,6 +12,7 @@ tokens ``R_{s0+j} = R_{s0} R_j``, so ``q . R_{s0+j} mu = (R_{-s0} q) . (R_j mu)`
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -161,11 +162,25 @@ def offset_scores(q: mx.array, mu: mx.array, starts: mx.array, n: int, frame: Ro
         cs = turns(-s0, frame)  # (G, nb, 1, dims/2): broadcast over the M queries
         u = mx.swapaxes(offset_keys(mu, mx.zeros((G,), dtype=mx.int32), blk, frame), -1, -2)  # (G, d, blk)
         memo[key] = (cs, u)
-    cs, u = memo[key]
-    qr = rotate(q[:, None], None, frame, cs)  # (G, nb, M, d)
-    s = qr.reshape(G, nb * M, d) @ u  # (G, nb*M, blk)
-    s = mx.swapaxes(s.reshape(G, nb, M, blk), 1, 2).reshape(G, M, nb * blk)
+    (c, s_), u = memo[key]
+    s = _block_scores(frame.dims, frame.traditional)(q, c, s_, u)  # (G, M, nb*blk)
     return s[..., :n] if nb * blk != n else s
+
+
+@functools.lru_cache(maxsize=None)
+def _block_scores(dims: int, traditional: bool):
+    """``(q, cos, sin, u) -> (G, M, nb*blk)``: each block's ``R_{-s0} q`` dotted with ``u`` = ``R_j mu``
+    ``(G, d, blk)``, fused by ``mx.compile`` (a decode step runs it per layer: one kernel, not ~15 small ops)."""
+    frame = RopeFrame(dims, traditional, (0.0,) * (dims // 2))  # (the layout only: the angles come as cos / sin)
+
+    def scores(q, c, s, u):
+        G, M, d = q.shape
+        nb, blk = c.shape[1], u.shape[-1]
+        qr = rotate(q[:, None], None, frame, (c, s))  # (G, nb, M, d)
+        out = qr.reshape(G, nb * M, d) @ u  # (G, nb*M, blk)
+        return mx.swapaxes(out.reshape(G, nb, M, blk), 1, 2).reshape(G, M, nb * blk)
+
+    return mx.compile(scores)
 
 
 __all__ = ["OFFSET_BLOCK", "RopeFrame", "fit_mean", "frame_of", "offset_keys", "offset_scores", "rotate", "turns"]
