@@ -203,17 +203,22 @@ def _tiny_llama():
     return model
 
 
-def test_the_builder_reads_each_layers_rope():
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_the_builder_reads_each_layers_rope(dtype):
     model = _tiny_llama()
+    model.set_dtype(dtype)
     caches = vq.make_prompt_cache(model, "tq-4b", rope_offset=True)
     want = frame_of(model.layers[0].self_attn.rope, 32)[0]
     assert all(c.options.rope_offset and c.options.key_rope == (want.dims, want.traditional, want.rates)
                for c in caches)
     tokens = mx.array([[int(t) for t in np.random.default_rng(0).integers(1, 128, 300)]])
-    logits = model(tokens, cache=caches)
+    logits = model(tokens[:, :250], cache=caches)
+    for t in range(250, 300):  # decode steps after a prompt with coded blocks
+        logits = mx.concatenate([logits, model(tokens[:, t:t + 1], cache=caches)], axis=1)
     plain = model(tokens)
+    assert logits.dtype == plain.dtype and bool(mx.all(mx.isfinite(logits)).item())
     assert float(mx.abs(logits - plain).max()) < 0.5 * float(mx.abs(plain).max())
-    assert caches[0].rows.k_codec.rope_mean is not None
+    assert caches[0].rows.k_codec.rope_mean is not None and caches[0].n_coded > 0
 
 
 def test_sliding_windows_stay_post_rope_and_an_unreadable_rope_too_with_one_line():
