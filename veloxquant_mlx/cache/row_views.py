@@ -32,7 +32,7 @@ class RowViews:
         a window's evicted slots instead of leaving them to a mask."""
         S, C, L = self.part_sizes()
         parts: list = []
-        mu = self.rope_mu()  # (keys stored less R_t mu: each part gets it back, `_offset`)
+        mu = self.rope_mu()  # (keys stored less R_t mu: each part gets it back, `_exact_offset` / `_key_offset`)
         if S:
             parts.append(self._sink_part(S))
             if mu is not None:
