@@ -14,7 +14,12 @@ import pytest
 # pytest-xdist's workers. (A model's own projections of a batch can still differ from one row's at the last bit, so
 # tests compare a cache's rows bit for bit from the same inputs, not through a model's layers.) Loaded before anything imports MLX (`load_openblas_global`); set
 # VELOXQUANT_NO_OPENBLAS=1 to run on the reference BLAS.
+# The same for the kernels OpenBLAS picks per CPU: on an AMD EPYC (its "Zen" kernels, as "Haswell"'s) a float32
+# matmul's rows differ at the last bit with the number of rows multiplied (25 tests failed here, every one of them
+# passing on the reference BLAS); its generic AVX kernels ("Sandybridge") give every row alike on Intel and AMD.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+if os.uname().machine in ("x86_64", "AMD64"):
+    os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
 from veloxquant_mlx.apps.blas import load_openblas_global  # noqa: E402 - imports no MLX
 
 load_openblas_global()

@@ -275,6 +275,53 @@ def test_a_coded_tail_is_refused_with_a_clear_error_when_malformed():
         call([arrays[0][:, :, :, :3]] + arrays[1:] + [empty])
 
 
+@pytest.mark.parametrize("d,R,B,dims,traditional", [(64, 3, 1, 64, False), (128, 2, 2, 64, True), (96, 4, 2, 96, False)])
+def test_a_key_offset_is_read_by_the_kernel_as_by_the_reference(d, R, B, dims, traditional):
+    """Keys stored less their rotated mean before RoPE (``rope_offset``): the kernel turns each query back to every
+    128-token block's first position and reads ``R_j mu`` from its table, for the blocks and the coded tail, at
+    positions far from 0, per batch row (each row its own start): equal to the reference's score terms."""
+    from veloxquant_mlx.attention.parts import KeyOffset
+    from veloxquant_mlx.quant.rope import RopeFrame
+
+    q, parts = _tailed_parts(d, R, B, 3, 70, seed=d + B)
+    frame = RopeFrame(dims, traditional, tuple(float(x) for x in 10000.0 ** (-np.arange(0, dims, 2) / dims)))
+    mu = _rnd((B * 2, d), 11) * 2
+    starts = [5000 + 37 * b for b in range(B)]
+    parts[1].key_offset = KeyOffset(frame, mu, mx.repeat(mx.array(starts, dtype=mx.int32), 2))
+    parts[2].key_offset = KeyOffset(frame, mu, mx.repeat(mx.array([s + 384 for s in starts], dtype=mx.int32), 2))
+    with _Answered() as a:
+        out = kernel.decode_step(q, parts, 0.125)
+    assert a.n == 1 and a.refused == 0
+    want = reference_one_query(q, parts, 0.125)
+    _close(out, want)
+    plain = reference_one_query(q, parts[:1] + [dataclasses.replace(p, key_offset=None) for p in parts[1:]], 0.125)
+    assert float(mx.abs(want - plain).max()) > 1e-2  # (the offset changes the answer: the check can fail)
+
+
+def test_a_key_offset_is_refused_with_a_clear_error_when_malformed():
+    q, parts = _tailed_parts(64, 2, 1, 1, 20)
+    mod = kernel.compiled_module()
+    ka, va, second = kernel._coded_arguments(parts[1], mod)
+    qq = mx.zeros((1, 2, 2, 64))
+    ek, ev = mx.zeros((1, 2, 0, 64)), mx.zeros((1, 2, 0, 64))
+    table, turns, empty = mx.zeros((2, 4, 64, 32)), mx.zeros((2, 1, 64)), mx.zeros((0,))
+
+    def call(arrays, layout=(64, 0, 128)):
+        return mod.coded_decode_attention(
+            qq, ka.rotation, va.rotation, ka.w, ka.scales, ka.biases, ka.tokens_last, ka.bits, ka.group, va.w,
+            va.scales, va.biases, va.tokens_last, va.bits, va.group, float(va.zero), ek, ev, ka.mean, va.mean, None,
+            None, None, ka.levels, va.levels, *second, key_offset=arrays, offset_layout=list(layout))
+    mx.eval(call([table, turns, empty, empty]))  # well formed: runs
+    with pytest.raises(ValueError, match="ctable"):
+        call([table[:, :2], turns, empty, empty])
+    with pytest.raises(ValueError, match="cturns"):
+        call([table, turns[:, :, :32], empty, empty])
+    with pytest.raises(ValueError, match="tail key offset"):
+        call([table, turns, table, turns])
+    with pytest.raises(ValueError, match="offset_layout"):
+        call([table, turns, empty, empty], (63, 0, 128))
+
+
 # -- sliding windows past eviction, through the cache ---------------------------------------------------------------
 @pytest.mark.parametrize("window,keep,sink,recent,B", [
     (64, 4, 4, 0, 1),  # mlx_lm's max_kv_size layout: the live codes one slice after the evicted ones

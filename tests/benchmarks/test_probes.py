@@ -120,6 +120,15 @@ def test_calibration(tmp_path):
     assert set(data["results"]) == {"debian-reference@160", "kjv@160"} and len(data["needle"]) == 8
 
 
+def test_block_ranges(tmp_path):
+    out = run_probe("block_ranges", "--out", str(tmp_path / "b.json"))
+    assert "| variant | relative squared error | blocks |" in out
+    rows = {r["variant"]: r for r in read_json(tmp_path / "b.json")["rows"]}
+    assert {"own", "own-mse", "pred 1.1", "pred-run", "pt0-wait", "pt1-final"} <= set(rows), sorted(rows)
+    assert all(0 < r["relative_squared_error"] < 1 and r["blocks"] > 0 for r in rows.values())
+    assert rows["own-mse"]["relative_squared_error"] <= rows["own"]["relative_squared_error"]  # (clipping can only help)
+
+
 def test_every_probe_has_a_smoke_test():
     """Every probe in benchmarks/probes/ has its test above, and its docstring (``--help``) says how to smoke it."""
     probes = {p.stem for p in PROBES_DIR.glob("*.py") if not p.name.startswith("_")}

@@ -9,7 +9,8 @@ import pytest
 
 from veloxquant_mlx.codecs.affine_sym import pack_codes
 from veloxquant_mlx.codecs.affine_sym_log import (CLIP_STEPS, LOG_OFFSET, LOG_STEPS, NON_FINITE,
-                                                  AffineSymLogScaleValueCodec, decode_log_scales, log_scale_codes)
+                                                  AffineSymLogScaleValueCodec, decode_log_scales, log_scale_codes,
+                                                  reference_sym_log_encode)
 
 
 def test_the_grid_is_eight_points_per_octave():
@@ -54,3 +55,47 @@ def test_codec_decodes_through_the_grid_and_keeps_non_finite_visible():
     assert np.all(np.isnan(y[:, :, 0])) and np.all(np.isfinite(y[:, :, 1:]))
     with pytest.raises(ValueError, match=r"missing \['w_q'\]"):
         c.decode({"scales": codes["scales"]}, mx.float32)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("group", [32, 64])
+def test_the_compiled_encoding_is_the_operations_bit_for_bit(bits, group):
+    """`sym_log_encode` (the kernel module's one operation) stores what `reference_sym_log_encode` stores: every
+    word and scale code, at small, unit and large magnitudes, a group of zeros, through a strided view; a group
+    holding NaN gets the non-finite scale code either way."""
+    from veloxquant_mlx.attention import kernel
+
+    mod = kernel.compiled_module()
+    assert mod is not None and hasattr(mod, "sym_log_encode"), kernel.status()[1]  # (CI builds the kernel)
+    for scale in (1e-3, 1.0, 300.0):
+        y = mx.random.normal((2, 3, 21, 128), key=mx.random.key(bits * 7 + group)) * scale
+        y = mx.concatenate([y, mx.zeros((2, 3, 1, 128))], axis=2)
+        for got, want in zip(mod.sym_log_encode(y, bits, group), reference_sym_log_encode(y, bits, group)):
+            assert got.dtype == want.dtype and mx.array_equal(got, want).item()
+    yt = mx.swapaxes(mx.random.normal((1, 2, 128, 64), key=mx.random.key(1)), -1, -2)  # (strided: d is axis 2's)
+    for got, want in zip(mod.sym_log_encode(yt, bits, group), reference_sym_log_encode(yt, bits, group)):
+        assert mx.array_equal(got, want).item()
+    nan = mx.where(mx.arange(64) == 5, mx.array(float("nan")), mx.random.normal((1, 1, 2, 64)))
+    got, want = mod.sym_log_encode(nan, bits, 32)[1], reference_sym_log_encode(nan, bits, 32)[1]  # (1, 1, 2, 2)
+    assert got[..., 0].tolist() == want[..., 0].tolist() == [[[NON_FINITE, NON_FINITE]]]
+    assert mx.array_equal(got[..., 1], want[..., 1]).item()  # (the finite groups: as ever)
+
+
+def test_the_codec_encodes_through_the_compiled_operation_and_without_it():
+    """A cache's codec gives the same codes whether the compiled operation runs, a few tokens are fused by
+    mx.compile, or a chunk runs the plain operations."""
+    from veloxquant_mlx.cache import row_codes  # noqa: F401  (sets the compiled provider, as the caches do)
+    from veloxquant_mlx.codecs import affine_sym_log as m
+
+    codec = AffineSymLogScaleValueCodec(64, 4, seed=3)
+    x = mx.random.normal((1, 2, 3, 64), key=mx.random.key(2))
+    long = mx.random.normal((1, 2, 40, 64), key=mx.random.key(4))
+    with_op = [codec.encode(a) for a in (x, long)]
+    provider = m._compiled_provider
+    m.set_compiled_provider(None)
+    try:
+        without = [codec.encode(a) for a in (x, long)]
+    finally:
+        m.set_compiled_provider(provider)
+    for a, b in zip(with_op, without):
+        assert all(mx.array_equal(a[n], b[n]).item() for n in ("w_q", "scales"))

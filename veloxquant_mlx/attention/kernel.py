@@ -33,7 +33,8 @@ import mlx.core as mx
 
 from veloxquant_mlx.attention._sources import source_hash
 from veloxquant_mlx.attention.exp2 import LOG2E
-from veloxquant_mlx.attention.parts import coded_keys
+from veloxquant_mlx.attention.parts import KeyOffset, coded_keys
+from veloxquant_mlx.quant.rope import OFFSET_BLOCK
 # The checks on a built module. `_missing_before_import`
 # below calls `_binary_flags` / `_cpu_flags` through this module's names, so patching them here takes effect.
 from veloxquant_mlx.attention.kernel_checks import (FLAG_FEATURES, _binary_flags, _cpu_flags, _cpu_refusal,
@@ -184,6 +185,13 @@ def compiled_encoder():
     (`veloxquant_mlx.codecs.affine_encode.set_compiled_provider`, in `veloxquant_mlx.cache.row_codes`)."""
     mod = compiled_module()
     return getattr(mod, "affine_encode", None) if mod is not None else None
+
+
+def compiled_sym_encoder():
+    """The codecs' compiled symmetric log-scale encoding (``sym_log_encode``, `csrc/affine_encode.cpp`) when compiled
+    code may run now, else None (`veloxquant_mlx.codecs.affine_sym_log.set_compiled_provider`)."""
+    mod = compiled_module()
+    return getattr(mod, "sym_log_encode", None) if mod is not None else None
 
 
 def gather_rows(arrays: Sequence[mx.array], rows: Sequence[int], folds: Sequence[int]) -> List[mx.array]:
@@ -358,7 +366,29 @@ def _coded_and_exact(parts, masks, mod=None):
     return main, cm, spans, tail, [(p, m) for _, p, m in exact]
 
 
-_NONE = None  # an empty float32 array: the kernel's "not given" inside its tail list (made on first use)
+_NONE = None  # an empty float32 array: the kernel's "not given" inside its tail and offset lists
+
+
+def _none() -> mx.array:
+    global _NONE
+    if _NONE is None:
+        _NONE = mx.zeros((0,), dtype=mx.float32)
+    return _NONE
+
+
+def _offset_arguments(coded: Optional[KeyOffset], coded_n: int, tail: Optional[KeyOffset], tail_n: int) -> dict:
+    """The kernel's ``key_offset`` / ``offset_layout`` for the parts' key offsets (keys stored less their rotated
+    mean before RoPE): the kernel turns each query back to every block's first position and reads ``R_j mu`` from
+    the table (`KeyOffset.table`) with each block's turns (`KeyOffset.turns`): no MLX op per step."""
+    if coded is None and tail is None:
+        return {}
+    frame = (coded or tail).frame
+    if coded is not None and tail is not None and tail.frame != frame:
+        raise LookupError("the coded part and the tail have different RoPE frames")
+    arrays = []
+    for o, n in ((coded, coded_n), (tail, tail_n)):
+        arrays += [_none(), _none()] if o is None else [o.table(), o.turns(n)]
+    return {"key_offset": arrays, "offset_layout": [frame.dims, int(frame.traditional), OFFSET_BLOCK]}
 
 
 def _tail_arguments(part, mod):
@@ -376,10 +406,7 @@ def _tail_arguments(part, mod):
         if ka is not None and va is not None and not ka.tokens_last and not va.tokens_last and \
                 ka.levels is None and va.levels is None and ka.extra is None and va.extra is None and \
                 _group_ok(ka, part.k_codec.d) and _group_ok(va, va.rotation.shape[0]):
-            global _NONE
-            if _NONE is None:
-                _NONE = mx.zeros((0,), dtype=mx.float32)
-            given = lambda a: _NONE if a is None else a  # noqa: E731
+            given = lambda a: _none() if a is None else a  # noqa: E731
             arrays = [ka.w, ka.scales, given(ka.biases), va.w, va.scales, given(va.biases), ka.rotation, va.rotation,
                       given(ka.mean), given(va.mean)]
             result = (arrays, [ka.bits, ka.group, va.bits, va.group], (float(ka.zero), float(va.zero)))
@@ -422,7 +449,7 @@ def decode_step(queries: mx.array, parts: Sequence, scale: float, sinks: Optiona
         return None
     coded, cm, spans, tail, exact = picked
     if (coded.key_offset is not None or (tail is not None and tail[0].key_offset is not None)) \
-            and not getattr(mod, "reads_score_bias", False):
+            and not getattr(mod, "reads_key_offset", False):
         return None
     args = _coded_arguments(coded, mod)
     if args is None:
@@ -442,7 +469,7 @@ def decode_step(queries: mx.array, parts: Sequence, scale: float, sinks: Optiona
         if tail is not None:
             arrays, layout, (kz, vz) = _tail_arguments(tail[0], mod)
             tmask = _row_mask(tail[1], B, H, tail[0].length) if masks is not None else None
-            tail_kw = {"tail": arrays + [_NONE if tmask is None else tmask], "tail_layout": layout,
+            tail_kw = {"tail": arrays + [_none() if tmask is None else tmask], "tail_layout": layout,
                        "tail_k_zero": kz, "tail_v_zero": vz}
     except LookupError:
         return None
@@ -460,12 +487,8 @@ def decode_step(queries: mx.array, parts: Sequence, scale: float, sinks: Optiona
         s = (sinks.astype(mx.float32) * LOG2E).reshape(-1, R)
         s = mx.tile(s, (B, 1)) if s.shape[0] != B * H else s
         s = mx.contiguous(mx.repeat(s, L, axis=1) if L > 1 else s)  # (one per row)
-    bias_kw = {}  # keys stored less their rotated mean before RoPE: the scores it adds, in the queries' units
-    if coded.key_offset is not None:
-        bias_kw["cbias"] = mx.contiguous(coded.key_offset.scores(q, n).reshape(B * H, R * L, n))
-    if tail is not None and tail[0].key_offset is not None:
-        nt = tail[0].length
-        bias_kw["tbias"] = mx.contiguous(tail[0].key_offset.scores(q, nt).reshape(B * H, R * L, nt))
+    bias_kw = _offset_arguments(coded.key_offset, n, None if tail is None else tail[0].key_offset,
+                                0 if tail is None else tail[0].length)
     try:
         out = mod.coded_decode_attention(
             q, ka.rotation, va.rotation, ka.w, ka.scales, ka.biases, ka.tokens_last, ka.bits, ka.group,

@@ -12,6 +12,7 @@ from typing import List, Optional, Sequence
 import mlx.core as mx
 
 from veloxquant_mlx.codecs.affine_encode import reference_affine_encode
+from veloxquant_mlx.codecs.affine_sym_log import reference_sym_log_encode
 
 
 def _smoke_check(mod) -> None:
@@ -41,6 +42,10 @@ def _smoke_check(mod) -> None:
             if not all(mx.array_equal(a, b).item() for a, b in zip(got, want)):
                 raise RuntimeError(f"the compiled encoding's check against mx.quantize failed "
                                    f"(tokens_last={tokens_last})")
+    if hasattr(mod, "sym_log_encode"):  # the symmetric log-scale encoding: bit for bit the codecs' operations
+        got = mod.sym_log_encode(k, 4, 32)
+        if not all(mx.array_equal(a, b).item() for a, b in zip(got, reference_sym_log_encode(k, 4, 32))):
+            raise RuntimeError("the compiled symmetric encoding's check against the codecs' operations failed")
     if hasattr(mod, "gather_rows"):  # the batch caches' row gather: mx.take's rows
         rows = mx.swapaxes(k.reshape(2, 64, 32), 1, 2)  # (a strided view)
         got = mod.gather_rows([rows], [1, 0], [1])[0]

@@ -13,7 +13,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import mlx.core as mx
 
 from veloxquant_mlx.codecs.common import f32
-from veloxquant_mlx.quant.rope import offset_keys, offset_scores
+from veloxquant_mlx.quant.rope import OFFSET_BLOCK, offset_keys, offset_scores, turns
 
 # A finite "minus infinity" for masked scores: exp(NEG - m) underflows to 0 without 0 * inf NaNs.
 NEG = float(mx.finfo(mx.float32).min)
@@ -38,15 +38,42 @@ class KeyOffset:
     """What a part's stored keys lack: ``R_t mu`` (`veloxquant_mlx.quant.rope`), ``mu`` ``(G, d)`` float32 per
     folded head, the part's slot ``j`` at position ``starts[g] + j`` (``starts`` ``(G,)`` int32). A cache keeps
     one object per part while ``mu`` and the starts stay (`veloxquant_mlx.cache.row_views`): what depends on them
-    alone is computed once (the keys' offsets for up to `KEY_TABLE` more slots, the per-block tables)."""
+    alone is computed once (the keys' offsets for up to `KEY_TABLE` more slots, the per-block tables; `table` and
+    `turns`, what the compiled kernel reads to add the scores itself, shared by the parts of one ``mu``)."""
 
     KEY_TABLE = 256  # offsets computed ahead for a growing part (a tail gains a slot per decode step)
     KEPT_KEYS = 1024  # offsets kept for parts of at most this many slots (sinks, tails); longer ones: each call
 
-    def __init__(self, frame, mu: mx.array, starts: mx.array):
+    def __init__(self, frame, mu: mx.array, starts: mx.array, shared: Optional[dict] = None):
         self.frame, self.mu, self.starts = frame, mu, starts
         self._keys: Optional[mx.array] = None  # (1, G, m, d) for slots < m
         self._blocks: Dict[int, Tuple[mx.array, mx.array]] = {}  # blocks -> (cos, sin) of -s0 * rates
+        self._shared = {} if shared is None else shared  # what depends on mu alone (the parts of one cache share it)
+        self._turns: Optional[mx.array] = None  # (G, blocks, dims)
+
+    TURN_BLOCKS = 16  # block turns computed ahead for a growing part
+
+    def turns(self, n: int) -> mx.array:
+        """The cos then sin of each pair's angle at ``-s0`` for the blocks of ``OFFSET_BLOCK`` slots covering ``n``
+        slots (``s0`` a block's first position), as the compiled kernel reads them: ``(G, blocks, dims)`` float32,
+        blocks ``>= ceil(n / OFFSET_BLOCK)`` (computed ahead; the same values `offset_scores` computes)."""
+        nb = max(-(-n // OFFSET_BLOCK), 1)
+        have = self._turns
+        if have is None or have.shape[1] < nb:
+            cap = nb + self.TURN_BLOCKS
+            s0 = self.starts.reshape(-1, 1) + mx.arange(cap) * OFFSET_BLOCK  # (G, cap)
+            c, s = turns(-s0, self.frame)
+            have = self._turns = mx.concatenate([c, s], axis=-1)
+        return have
+
+    def table(self) -> mx.array:
+        """``R_j mu`` for ``j < OFFSET_BLOCK`` as the compiled kernel reads it: ``(G, OFFSET_BLOCK/32, d, 32)``
+        float32, channel-major tiles of 32 slots (computed once per ``mu``)."""
+        if "table" not in self._shared:
+            G, d = self.mu.shape
+            u = offset_keys(self.mu, mx.zeros((G,), dtype=mx.int32), OFFSET_BLOCK, self.frame)  # (G, blk, d)
+            self._shared["table"] = mx.contiguous(mx.swapaxes(u.reshape(G, OFFSET_BLOCK // 32, 32, d), -1, -2))
+        return self._shared["table"]
 
     def keys(self, n: int) -> mx.array:
         """``R_t mu`` ``(1, G, n, d)`` float32."""

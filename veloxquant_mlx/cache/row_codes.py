@@ -10,14 +10,15 @@ from typing import Dict, Optional, Sequence
 
 import mlx.core as mx
 
-from veloxquant_mlx.attention.kernel import compiled_encoder
-from veloxquant_mlx.codecs import codec_layout
+from veloxquant_mlx.attention.kernel import compiled_encoder, compiled_sym_encoder
+from veloxquant_mlx.codecs import affine_sym_log, codec_layout
 from veloxquant_mlx.codecs.affine_encode import set_compiled_provider
 from veloxquant_mlx.quant.slot_store import TOKEN_AXIS, SlotStore
 
 # The codecs' affine encoding runs compiled where the kernel may run (the same arrays, bit for bit): chosen here,
 # where the caches code tokens, the first layer that imports both the codecs and the kernel.
 set_compiled_provider(compiled_encoder)
+affine_sym_log.set_compiled_provider(compiled_sym_encoder)
 
 
 def column(values: Sequence[int]) -> mx.array:

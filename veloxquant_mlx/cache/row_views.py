@@ -69,12 +69,13 @@ class RowViews:
         same object while ``mu`` and the starts stay (its tables are computed once, not every decode step)."""
         memo = getattr(self, "_offsets", None)
         if memo is None or memo[0] is not mu:
-            memo = self._offsets = (mu, {})
+            memo = self._offsets = (mu, {}, {})
         key = tuple(starts)
         if key not in memo[1]:
             if len(memo[1]) > 8:  # (a tail's start moves on with each coded block)
                 memo[1].clear()
-            memo[1][key] = KeyOffset(self.rope, mu, mx.repeat(mx.array(starts, dtype=mx.int32), self.heads))
+            memo[1][key] = KeyOffset(self.rope, mu, mx.repeat(mx.array(starts, dtype=mx.int32), self.heads),
+                                     memo[2])
         return memo[1][key]
 
     def _exact_offset(self, part: ExactPart, mu: mx.array, starts) -> ExactPart:

@@ -321,8 +321,8 @@ void AffineEncode::eval_cpu(const std::vector<array>& inputs, std::vector<array>
   });
 }
 
-void require(bool ok, const std::string& what) {
-  if (!ok) throw std::invalid_argument("affine_encode: " + what);
+void require(bool ok, const std::string& what, const char* op = "affine_encode") {
+  if (!ok) throw std::invalid_argument(std::string(op) + ": " + what);
 }
 
 // y (B, H, T, d) float32 -> (w_q, scales, biases) as the reference codecs store them.
@@ -349,10 +349,121 @@ std::vector<array> affine_encode(const array& y, std::optional<array> offset, in
   return array::make_arrays({wsh, ssh, ssh}, {uint32, sd, sd}, std::make_shared<AffineEncode>(s, p), in);
 }
 
+// ---- symmetric codes with one-byte log-grid scales (codecs.affine_sym_log.log_scale_codes + pack_codes) ----
+// Per group of `group` values along d: the grid scale of least squared error among the CLIP_STEPS grid points at and
+// below max|y| / c, each step of the reference in the same float32 operations and order (the sum of squared errors
+// accumulated in token order, as MLX's CPU reduction does on this layout). A group holding inf or NaN gets scale
+// code 255 and codes that decode nothing (the reference's are undefined there); a group of zeros code 0, levels c.
+constexpr int LOG_STEPS = 8, LOG_OFFSET = 142, NON_FINITE = 255, CLIP_STEPS = 7;
+
+struct SymParams {
+  int bits, group;
+  bool operator==(const SymParams& o) const { return bits == o.bits && group == o.group; }
+};
+
+class SymLogEncode : public Primitive {
+ public:
+  SymLogEncode(Stream s, SymParams p) : Primitive(s), p_(p) {}
+  void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override;
+  void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
+    throw std::runtime_error("veloxquant symmetric encode has no GPU implementation (use the MLX reference)");
+  }
+  const char* name() const override { return "VeloxquantSymLogEncode"; }
+  bool is_equivalent(const Primitive& other) const override {
+    return p_ == static_cast<const SymLogEncode&>(other).p_;
+  }
+
+ private:
+  SymParams p_;
+};
+
+// One group x[0..n) -> levels q[0..n) and its scale code.
+inline uint8_t sym_log_group(const float* x, int n, int bits, uint8_t* q) {
+  const float c = float((1 << bits) - 1) / 2.0f, top_level = float((1 << bits) - 1);
+  float amax = 0.0f;
+  bool bad = false;
+  for (int j = 0; j < n; ++j) {
+    const float a = std::abs(x[j]);
+    if (!std::isfinite(a)) bad = true;
+    amax = std::max(amax, a);
+  }
+  if (bad) {
+    std::fill(q, q + n, uint8_t(0));
+    return uint8_t(NON_FINITE);
+  }
+  if (amax == 0.0f) {
+    std::fill(q, q + n, uint8_t(c));  // (c = 2^(b-1) - 1/2 truncated, as the reference's cast)
+    return 0;
+  }
+  const float top = std::ceil(float(LOG_STEPS) * std::log2(std::max(amax, 1e-30f) / c)) + float(LOG_OFFSET);
+  float best_err = 0.0f, best_code = 0.0f, best_s = 0.0f;
+  for (int r = 0; r < CLIP_STEPS; ++r) {
+    const float code = std::min(std::max(top - float(r), 1.0f), float(NON_FINITE - 1));
+    const float sc = std::pow(2.0f, (code - float(LOG_OFFSET)) / float(LOG_STEPS));
+    float err = 0.0f;
+    for (int j = 0; j < n; ++j) {
+      const float lv = std::min(std::max(std::rint(x[j] / sc + c), 0.0f), top_level);
+      const float e = sc * (lv - c) - x[j];
+      err += e * e;
+    }
+    if (r == 0 || err < best_err) {
+      best_err = err;
+      best_code = code;
+      best_s = sc;
+    }
+  }
+  for (int j = 0; j < n; ++j) q[j] = uint8_t(std::min(std::max(std::rint(x[j] / best_s + c), 0.0f), top_level));
+  return uint8_t(best_code);
+}
+
+void SymLogEncode::eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) {
+  for (auto& o : outputs) o.set_data(allocator::malloc(o.nbytes()));
+  auto& enc = cpu::get_command_encoder(stream());
+  for (auto& a : inputs) enc.set_input_array(a);
+  for (auto& o : outputs) enc.set_output_array(o);
+  enc.dispatch([y = inputs[0], w = array::unsafe_weak_copy(outputs[0]), s = array::unsafe_weak_copy(outputs[1]),
+                p = p_]() mutable {
+    const int64_t rows = y.size() / y.shape(3), d = y.shape(3), groups = d / p.group;
+    const int64_t wpg = int64_t(p.group) * p.bits / 32;
+    const auto& st = y.strides();
+    const int64_t H = y.shape(1), T = y.shape(2);
+    const float* x = y.data<float>();
+    uint32_t* wq = w.data<uint32_t>();
+    uint8_t* sc = s.data<uint8_t>();
+    alignas(32) float row[256];
+    alignas(32) uint8_t q[256];
+    for (int64_t i = 0; i < rows; ++i) {  // (B, H, T) row i, read through y's strides
+      const int64_t b = i / (H * T), h = (i / T) % H, t = i % T;
+      const float* xi = x + b * st[0] + h * st[1] + t * st[2];
+      for (int64_t c = 0; c < d; ++c) row[c] = xi[c * st[3]];
+      for (int64_t g = 0; g < groups; ++g) {
+        sc[i * groups + g] = sym_log_group(row + g * p.group, p.group, p.bits, q);
+        pack_codes(q, p.group, p.bits, wq + (i * groups + g) * wpg);
+      }
+    }
+  });
+}
+
+// y (B, H, T, d) float32 -> (w_q uint32 (B, H, T, d*bits/32), scale codes uint8 (B, H, T, d/group)).
+std::vector<array> sym_log_encode(const array& y, int bits, int group) {
+  require(y.ndim() == 4 && y.dtype() == float32, "y must be float32 (B, H, T, d)", "sym_log_encode");
+  require(bits >= 2 && bits <= 8 && bits != 7, "bits must be 2, 3, 4, 5, 6 or 8", "sym_log_encode");
+  require(group == 32 || group == 64 || group == 128, "group must be 32, 64 or 128", "sym_log_encode");
+  const int B = y.shape(0), H = y.shape(1), T = y.shape(2), d = y.shape(3);
+  require(d % group == 0 && d <= 256 && (d * bits) % 32 == 0, "d must hold whole groups (at most 256)", "sym_log_encode");
+  Stream s = to_stream(StreamOrDevice{});
+  require(s.device == Device::cpu, "runs on the CPU: make the CPU the default device", "sym_log_encode");
+  return array::make_arrays({Shape{B, H, T, d * bits / 32}, Shape{B, H, T, d / group}}, {uint32, uint8},
+                            std::make_shared<SymLogEncode>(s, SymParams{bits, group}), {y});
+}
+
 }  // namespace vq_encode
 
 void bind_affine_encode(nb::module_& m) {
   m.def("affine_encode", &vq_encode::affine_encode, nb::arg("y"), nb::arg("offset").none(), nb::arg("bits"),
         nb::arg("group"), nb::arg("tokens_last"), nb::arg("half"),
         "affine codes (w_q, scales, biases) of rotated float32 (B, H, T, d), as mx.quantize and the codecs' clamp");
+  m.def("sym_log_encode", &vq_encode::sym_log_encode, nb::arg("y"), nb::arg("bits"), nb::arg("group"),
+        "symmetric codes with one-byte log-grid scales (w_q, scale codes) of rotated float32 (B, H, T, d), as "
+        "codecs.affine_sym_log");
 }

@@ -432,9 +432,16 @@ struct Problem {
   // A second coded part (a cache's coded tail: tokens waiting for their key block, coded per token), read in the
   // same pass and the same softmax: its own codes, rotations, means and mask; no spans, no second streams.
   const Problem* tail = nullptr;
-  // (G, R, n) float32 added to the coded tokens' scores (log2 units): what the keys lack when a cache stores them
-  // less their rotated mean before RoPE (q . R_t mu, computed by the caller per block of tokens), or null.
-  const float* bias = nullptr;
+  // Keys stored less their rotated mean before RoPE (a cache's rope_offset): slot t's score gains
+  // q . R_pos mu = (R_{-s0} q) . (R_j mu), s0 the position of the first slot of t's block of `oblock` slots, j the
+  // slot within it. otable (rows dividing G, oblock/TILE, d, TILE) holds R_j mu as channel-major tiles; oturns
+  // (G, blocks, odims) the cos then sin of each pair's angle at -s0 per block (pairs (2p, 2p+1) when otrad, else
+  // (p, p + odims/2)). Null otable: no offset.
+  const float* otable = nullptr;
+  int64_t otable_rows = 0, oturn_blocks = 0;
+  const float* oturns = nullptr;
+  int odims = 0, oblock = 0;
+  bool otrad = false;
 };
 
 // One task's online-softmax state for R query rows: running max m, sum l, unnormalized output o (R x dv).
@@ -546,6 +553,56 @@ inline void score_tile(int R, const float* qs, const float* base, const float* k
     if (rb == 3) VQ_SCORE_ROWS<3>(q, b, kt, d, out);
     else if (rb == 2) VQ_SCORE_ROWS<2>(q, b, kt, d, out);
     else VQ_SCORE_ROWS<1>(q, b, kt, d, out);
+  }
+}
+
+// s[r * TILE + tt] += sum_c q[r * d + c] * u[c * TILE + tt] for RB rows: the key offset's scores on a tile (u:
+// a tile of its table, read unaligned; s: the tile's scores so far).
+template <int RB>
+inline void add_score_rows(const float* q, const float* u, int d, float* s) {
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc[RB][4];
+  for (int r = 0; r < RB; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_load_ps(s + r * TILE + 8 * j);
+  for (int c = 0; c < d; ++c) {
+    const float* uc = u + c * TILE;
+    const __m256 u0 = _mm256_loadu_ps(uc), u1 = _mm256_loadu_ps(uc + 8), u2 = _mm256_loadu_ps(uc + 16),
+                 u3 = _mm256_loadu_ps(uc + 24);
+    for (int r = 0; r < RB; ++r) fma4(acc[r], _mm256_broadcast_ss(q + r * d + c), u0, u1, u2, u3);
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int j = 0; j < 4; ++j) _mm256_store_ps(s + r * TILE + 8 * j, acc[r][j]);
+#else
+  for (int c = 0; c < d; ++c)
+    for (int r = 0; r < RB; ++r) {
+      const float qc = q[r * d + c];
+      for (int tt = 0; tt < TILE; ++tt) s[r * TILE + tt] += qc * u[c * TILE + tt];
+    }
+#endif
+}
+
+inline void add_score_tile(int R, const float* q, const float* u, int d, float* s) {
+  for (int r0 = 0; r0 < R; r0 += ROW_BLOCK) {
+    const int rb = std::min(ROW_BLOCK, R - r0);
+    if (rb == 3) add_score_rows<3>(q + r0 * d, u, d, s + r0 * TILE);
+    else if (rb == 2) add_score_rows<2>(q + r0 * d, u, d, s + r0 * TILE);
+    else add_score_rows<1>(q + r0 * d, u, d, s + r0 * TILE);
+  }
+}
+
+// out = R_{-s0} q for R rows (the queries turned back to a block's first position), from the block's cos / sin
+// (computed by the caller as the reference computes them: veloxquant_mlx.quant.rope.turns).
+inline void rotate_back(const Problem& pr, const float* q, int R, int d, const float* turns, float* out) {
+  std::copy(q, q + R * d, out);
+  const int half = pr.odims / 2;
+  for (int p = 0; p < half; ++p) {
+    const float c = turns[p], sn = turns[half + p];
+    const int i1 = pr.otrad ? 2 * p : p, i2 = pr.otrad ? 2 * p + 1 : p + half;
+    for (int r = 0; r < R; ++r) {
+      const float x = q[r * d + i1], y = q[r * d + i2];
+      out[r * d + i1] = x * c - y * sn;
+      out[r * d + i2] = x * sn + y * c;
+    }
   }
 }
 
@@ -1050,7 +1107,8 @@ void coded_task(const Problem& pr, int64_t g, int64_t t_begin, int64_t t_end, in
   alignas(64) float qs[MAX_R * MAX_D];
   float base[MAX_R];
   const uint8_t* mask = pr.cmask ? pr.cmask + g * pr.n : nullptr;
-  int64_t folded_block = -1;
+  int64_t folded_block = -1, offset_block = -1;
+  alignas(64) float qo[MAX_R * MAX_D];  // the queries turned back to the current offset block's first position
   const auto KW = K.w.head(g), KS = K.scales.head(g), KB = K.biases.head(g);
   const auto VW = V.w.head(g), VS = V.scales.head(g), VB = V.biases.head(g);
   for (int64_t t0 = t_begin; t0 < t_end; t0 += TILE) {
@@ -1096,11 +1154,15 @@ void coded_task(const Problem& pr, int64_t g, int64_t t_begin, int64_t t_end, in
     }
     if (signs) score_sign_tokens(pr.k2, g, R, sign_tables.data(), t0, nt, s);
     else if (pr.has_k2 && !pr.k2_summed) score_tokens<true>(pr.k2, g, R, q2, qgs2, nullptr, t0, nt, s);
-    if (pr.bias)
-      for (int r = 0; r < R; ++r) {
-        const float* b = pr.bias + (g * R + r) * pr.n + t0;
-        for (int tt = 0; tt < nt; ++tt) s[r * TILE + tt] += b[tt];
+    if (pr.otable) {  // (t0 is a multiple of TILE, which divides oblock: the tile lies in one offset block)
+      const int64_t ob = t0 / pr.oblock;
+      if (ob != offset_block) {
+        offset_block = ob;
+        rotate_back(pr, qg, R, d, pr.oturns + (g * pr.oturn_blocks + ob) * pr.odims, qo);
       }
+      const float* u = pr.otable + ((g % pr.otable_rows) * (pr.oblock / TILE) + (t0 % pr.oblock) / TILE) * d * TILE;
+      add_score_tile(R, qo, u, d, s);
+    }
     if (mask)
       for (int r = 0; r < R; ++r)
         for (int tt = 0; tt < nt; ++tt)
@@ -1285,14 +1347,16 @@ struct Params {
   int t_k_bits, t_k_group, t_v_bits, t_v_group;
   float t_k_zero, t_v_zero;  // symmetric levels' zero where there are no biases
   bool t_has_kb, t_has_vb, t_has_kmu, t_has_vmu, t_has_cmask;
-  bool has_cbias, has_tbias;  // score biases of the coded part and of the tail (Problem::bias)
+  // the key offset (Problem::otable): of the coded part, of the tail; its pairs' layout and block
+  bool has_coffset, has_toffset;
+  int o_dims, o_trad, o_block;
 
   bool operator==(const Params& o) const { return std::memcmp(this, &o, sizeof(Params)) == 0; }
 };
 
 // inputs: q, pk, pv, kw, ks, [kb], vw, vs, [vb], ek, ev, [kmu], [vmu], [cmask], [emask], [sinks], [k_levels],
 // [v_levels], [k2w, k2s, pk2, k2_levels], [v2w, v2_levels], [tkw, tks, [tkb], tvw, tvs, [tvb], tpk, tpv, [tkmu],
-// [tvmu], [tcmask]], [cbias], [tbias]
+// [tvmu], [tcmask]], [ctable, cturns], [ttable, tturns]
 class CodedDecodeAttention : public UnaryPrimitive {
  public:
   CodedDecodeAttention(Stream s, Params p, std::vector<int64_t> spans)
@@ -1365,8 +1429,10 @@ void CodedDecodeAttention::eval_cpu(const std::vector<array>& inputs, array& out
       if (p.t_has_vmu) tvmu = &inputs[i++];
       if (p.t_has_cmask) tcmask = &inputs[i++];
     }
-    const array* cbias = p.has_cbias ? &inputs[i++] : nullptr;
-    const array* tbias = p.has_tbias ? &inputs[i++] : nullptr;
+    const array* ctable = p.has_coffset ? &inputs[i++] : nullptr;
+    const array* cturns = p.has_coffset ? &inputs[i++] : nullptr;
+    const array* ttable = p.has_toffset ? &inputs[i++] : nullptr;
+    const array* tturns = p.has_toffset ? &inputs[i++] : nullptr;
     for (const array& a : inputs)  // views of buffers keep a contiguous last axis; anything else is a bug here
       if (a.ndim() && a.strides().back() != 1 && a.shape().back() > 1)
         throw std::runtime_error("veloxquant coded attention: an input's last axis is not contiguous");
@@ -1426,7 +1492,17 @@ void CodedDecodeAttention::eval_cpu(const std::vector<array>& inputs, array& out
     pr.sinks = sinks ? sinks->data<float>() : nullptr;
     pr.out = out.data<float>();
     pr.spans = spans;
-    pr.bias = cbias ? cbias->data<float>() : nullptr;
+    auto offset = [&](Problem& part, const array* table, const array* turns) {
+      if (!table) return;
+      part.otable = table->data<float>();
+      part.otable_rows = table->shape(0);
+      part.oturns = turns->data<float>();
+      part.oturn_blocks = turns->shape(1);
+      part.odims = p.o_dims;
+      part.otrad = p.o_trad != 0;
+      part.oblock = p.o_block;
+    };
+    offset(pr, ctable, cturns);
     Problem tail;
     if (tkw) {  // the same queries, exact tokens and output; its own codes, rotations, means and mask
       tail = pr;
@@ -1446,7 +1522,8 @@ void CodedDecodeAttention::eval_cpu(const std::vector<array>& inputs, array& out
       tail.vmu = tvmu ? tvmu->data<float>() : nullptr;
       tail.vmu_rows = tvmu ? tvmu->shape(0) : 0;
       tail.cmask = tcmask ? tcmask->data<uint8_t>() : nullptr;
-      tail.bias = tbias ? tbias->data<float>() : nullptr;
+      tail.otable = nullptr;
+      offset(tail, ttable, tturns);
       pr.tail = &tail;
     }
     solve(pr);
@@ -1509,8 +1586,9 @@ array coded_decode_attention(const array& q, const array& pk, const array& pv, c
                              const std::optional<array>& v2_levels, int v2_bits,
                              const std::optional<std::vector<int64_t>>& spans,
                              const std::optional<std::vector<array>>& tail, const std::optional<std::vector<int>>& tail_layout,
-                             float tail_k_zero, float tail_v_zero, const std::optional<array>& cbias,
-                             const std::optional<array>& tbias) {
+                             float tail_k_zero, float tail_v_zero,
+                             const std::optional<std::vector<array>>& key_offset,
+                             const std::optional<std::vector<int>>& offset_layout) {
   require(q.dtype() == float32 && q.ndim() == 4, "q must be float32 (B, Hkv, R, d), got " + shape_str(q));
   int B = q.shape(0), H = q.shape(1), R = q.shape(2), d = q.shape(3);
   int64_t G = int64_t(B) * H;
@@ -1607,18 +1685,47 @@ array coded_decode_attention(const array& q, const array& pk, const array& pv, c
                            t[10].shape(1) == tn),
             "tail mask must be bool (B*H, tail tokens)");
   }
-  // Score biases: float32 (B*H, R, n) for the coded part, (B*H, R, tail tokens) for the tail.
-  require(!cbias || (cbias->dtype() == float32 && cbias->shape() == Shape{int(G), int(R), int(n)}),
-          "cbias must be float32 (B*H, R, n), got " + (cbias ? shape_str(*cbias) : std::string()));
-  require(!tbias || (tail && tbias->dtype() == float32 && tbias->shape() == Shape{int(G), int(R), int(tn)}),
-          "tbias must be float32 (B*H, R, tail tokens) and comes with a tail, got " +
-              (tbias ? shape_str(*tbias) : std::string()));
+  // The key offset: arrays [ctable, cturns, ttable, tturns] (empty arrays where a part has none), layout
+  // [dims, traditional, block]; turns (B*H, blocks covering the part, dims): cos then sin per block.
+  require(bool(key_offset) == bool(offset_layout), "key_offset and offset_layout go together");
+  bool has_coffset = false, has_toffset = false;
+  int o_dims = 0, o_trad = 0, o_block = 0;
+  if (key_offset) {
+    const auto& o = *key_offset;
+    const auto& ol = *offset_layout;
+    require(o.size() == 4 && ol.size() == 3,
+            "key_offset: [ctable, cturns, ttable, tturns] (None: empty), offset_layout: [dims, traditional, block]");
+    o_dims = ol[0];
+    o_trad = ol[1];
+    o_block = ol[2];
+    require(o_dims >= 2 && o_dims % 2 == 0 && o_dims <= d && (o_trad == 0 || o_trad == 1),
+            "offset_layout: dims even in 2..d, traditional 0 or 1");
+    require(o_block >= TILE && o_block % TILE == 0, "offset_layout: block a multiple of 32");
+    has_coffset = o[0].size() > 0;
+    has_toffset = o[2].size() > 0;
+    require(has_coffset || has_toffset, "key_offset holds no table");
+    require(!has_toffset || tail, "a tail key offset comes with a tail");
+    for (int j : {0, 2}) {
+      if (!o[j].size()) continue;
+      const auto& tb = o[j];
+      const auto& tu = o[j + 1];
+      const int64_t covered = j == 0 ? n : tn;  // slots the turns must cover
+      require(tb.dtype() == float32 && tb.ndim() == 4 && tb.shape(0) >= 1 && G % tb.shape(0) == 0 &&
+                  tb.shape(1) == o_block / TILE && tb.shape(2) == d && tb.shape(3) == TILE,
+              std::string(j == 0 ? "ctable" : "ttable") + " must be float32 (rows dividing B*H, block/32, d, 32), got " +
+                  shape_str(tb));
+      require(tu.dtype() == float32 && tu.ndim() == 3 && tu.shape(0) == G && tu.shape(2) == o_dims &&
+                  int64_t(tu.shape(1)) * o_block >= covered,
+              std::string(j == 0 ? "cturns" : "tturns") + " must be float32 (B*H, blocks covering the part, dims), got " +
+                  shape_str(tu));
+    }
+  }
   Params p{k_tokens_last, v_tokens_last, k_bits, k_group, v_bits, v_group, v_zero, bool(kb), bool(kmu), bool(vmu), bool(vb),
            bool(cmask), bool(emask), bool(sinks), bool(k_levels), bool(v_levels), has_k2 ? k2_bits : 0,
            k2_summed ? k_group : (has_k2 ? m2 : 0), has_v2 ? v2_bits : 0, k2_summed,
            tail ? (*tail_layout)[0] : 0, tail ? (*tail_layout)[1] : 0, tail ? (*tail_layout)[2] : 0,
            tail ? (*tail_layout)[3] : 0, tail ? tail_k_zero : 0.0f, tail ? tail_v_zero : 0.0f, tail && given(2), tail && given(5),
-           tail && given(8), tail && given(9), tail && given(10), bool(cbias), bool(tbias)};
+           tail && given(8), tail && given(9), tail && given(10), has_coffset, has_toffset, o_dims, o_trad, o_block};
   // Small inputs are made contiguous; codes and exact tokens are read through their strides (cache views). Arrays
   // already evaluated and contiguous (rotations, levels, means: the same every step) pass as they are: one graph
   // node fewer each per layer and step.
@@ -1650,8 +1757,13 @@ array coded_decode_attention(const array& q, const array& pk, const array& pv, c
   if (tail)  // codes through their strides (cache views); the rest contiguous
     for (int j = 0; j < 11; ++j)
       if (given(j)) in.push_back(j <= 5 ? (*tail)[j] : c((*tail)[j]));
-  if (cbias) in.push_back(c(*cbias));
-  if (tbias) in.push_back(c(*tbias));
+  if (key_offset) {
+    for (int j : {0, 2})
+      if ((*key_offset)[j].size()) {
+        in.push_back(c((*key_offset)[j]));
+        in.push_back(c((*key_offset)[j + 1]));
+      }
+  }
   // On the caller's current stream (mlx_lm decodes inside its own generation stream): a primitive on another
   // stream than the ops producing its inputs was measured reading the exact tokens before they were written.
   Stream s = to_stream(StreamOrDevice{});
@@ -1748,9 +1860,10 @@ NB_MODULE(_coded_attention, m) {
         nb::arg("k2_levels").none() = nb::none(), nb::arg("k2_bits") = 0, nb::arg("v2w").none() = nb::none(),
         nb::arg("v2_levels").none() = nb::none(), nb::arg("v2_bits") = 0, nb::arg("spans").none() = nb::none(),
         nb::arg("tail").none() = nb::none(), nb::arg("tail_layout").none() = nb::none(), nb::arg("tail_k_zero") = 0.0f,
-        nb::arg("tail_v_zero") = 0.0f, nb::arg("cbias").none() = nb::none(), nb::arg("tbias").none() = nb::none());
-  m.attr("reads_tail") = true;
-  m.attr("reads_score_bias") = true;  // cbias / tbias: a key offset's scores (kernel.py asks)  // coded_decode_attention takes a second coded part (kernel.py asks)
+        nb::arg("tail_v_zero") = 0.0f, nb::arg("key_offset").none() = nb::none(),
+        nb::arg("offset_layout").none() = nb::none());
+  m.attr("reads_tail") = true;  // coded_decode_attention takes a second coded part (kernel.py asks)
+  m.attr("reads_key_offset") = true;  // key_offset: keys stored less their rotated mean before RoPE (kernel.py asks)
   bind_affine_encode(m);
   bind_gather_rows(m);
 }
