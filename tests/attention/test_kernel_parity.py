@@ -296,6 +296,9 @@ def test_a_key_offset_is_read_by_the_kernel_as_by_the_reference(d, R, B, dims, t
     _close(out, want)
     plain = reference_one_query(q, parts[:1] + [dataclasses.replace(p, key_offset=None) for p in parts[1:]], 0.125)
     assert float(mx.abs(want - plain).max()) > 1e-2  # (the offset changes the answer: the check can fail)
+    other = RopeFrame(dims, not traditional, frame.rates)  # a tail of another frame: the reference takes the call
+    parts[2].key_offset = KeyOffset(other, mu, parts[2].key_offset.starts)
+    assert kernel.decode_step(q, parts, 0.125) is None
 
 
 def test_a_key_offset_is_refused_with_a_clear_error_when_malformed():

@@ -487,8 +487,11 @@ def decode_step(queries: mx.array, parts: Sequence, scale: float, sinks: Optiona
         s = (sinks.astype(mx.float32) * LOG2E).reshape(-1, R)
         s = mx.tile(s, (B, 1)) if s.shape[0] != B * H else s
         s = mx.contiguous(mx.repeat(s, L, axis=1) if L > 1 else s)  # (one per row)
-    bias_kw = _offset_arguments(coded.key_offset, n, None if tail is None else tail[0].key_offset,
-                                0 if tail is None else tail[0].length)
+    try:
+        bias_kw = _offset_arguments(coded.key_offset, n, None if tail is None else tail[0].key_offset,
+                                    0 if tail is None else tail[0].length)
+    except LookupError:  # (parts of two RoPE frames: the reference takes the call)
+        return None
     try:
         out = mod.coded_decode_attention(
             q, ka.rotation, va.rotation, ka.w, ka.scales, ka.biases, ka.tokens_last, ka.bits, ka.group,
