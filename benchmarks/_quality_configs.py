@@ -9,7 +9,10 @@ importable from ``quality`` (``quality.OURS``).
 from __future__ import annotations
 
 from veloxquant_mlx.codecs import CODECS, CodecLayout
+from veloxquant_mlx.codecs.affine_sym_log import AffineSymLogScaleValueCodec
+from veloxquant_mlx.codecs.token_lloyd import TokenLloydCodec
 from veloxquant_mlx.codecs.kblock_tail import TailedBlockKeyCodec, TailedSymValueCodec
+from veloxquant_mlx.cache.options import CacheOptions
 from veloxquant_mlx.cache.presets import preset
 
 
@@ -23,16 +26,56 @@ def _tail_layout(extra: int) -> str:
     return name
 
 
+def _with_key_group(cls, key_group: int):
+    """``cls`` whose keys' scales cover ``key_group`` coordinates (the values keep their 64)."""
+    def __init__(self, d, bits, group_size=None, **kwargs):
+        cls.__init__(self, d, bits, group_size, **kwargs)
+        self.group_size = min(key_group, d)
+    return type(f"{cls.__name__}Keys{key_group}", (cls,), {"__init__": __init__})
+
+
+# Issue 54's per-token layouts, keys coded once on arrival as the values are, never re-coded into blocks: uniform
+# symmetric levels ("ksym8_vsym8"), or the Gaussian's Lloyd-Max levels (`token_lloyd8`, the budget presets' layout
+# since issue 54); ``key_group`` 32: finer key scales. Registered for this process only.
+def _token_layout(key_group: int = 64) -> str:
+    name = "ksym8_vsym8" if key_group == 64 else f"ksym8g{key_group}_vsym8"
+    if name not in CODECS:
+        keys = AffineSymLogScaleValueCodec if key_group == 64 else _with_key_group(AffineSymLogScaleValueCodec, key_group)
+        CODECS[name] = CodecLayout(keys, AffineSymLogScaleValueCodec)
+    return name
+
+
+def _level_layout(key_group: int = 64) -> str:
+    if key_group == 64:
+        return "token_lloyd8"
+    name = f"token_lloyd8_k{key_group}"
+    if name not in CODECS:
+        CODECS[name] = CodecLayout(_with_key_group(TokenLloydCodec, key_group), TokenLloydCodec)
+    return name
+
+
 def _budget_variant(bits: int, **changes) -> dict:
     """tq-{bits}b's options with ``changes`` (as make_prompt_cache keywords), on the budget as issue 55's variants
     were measured: windows without the presets' later window rule (``window_recent`` / ``window_k_bits`` 0)."""
     return _preset_variant(f"tq-{bits}b", **{"window_recent": 0, "window_k_bits": 0, **changes})
 
 
-def _preset_variant(name: str, **changes) -> dict:
-    """The preset ``name``'s options with ``changes`` (as make_prompt_cache keywords)."""
-    return {**{k: (list(v) if isinstance(v, tuple) else v) for k, v in preset(name).to_dict().items()
+# The budget presets as issues 47-55 measured them (until issue 54 switched them to per-token codes): keys per channel
+# over 128-token blocks, the waiting tokens exact. The research names built on "tq-Nb" keep meaning these.
+BLOCK_BUDGETS = {f"tq-{b}b": CacheOptions(codec="kblock_vsym8", k_bits=b, v_bits=b, group_size=128, trim_headroom=0,
+                                          center_keys=False, center_values=False, sink=1, window_recent=16,
+                                          window_k_bits=5) for b in (4, 3, 2)}
+
+
+def _options_dict(options: CacheOptions, **changes) -> dict:
+    return {**{k: (list(v) if isinstance(v, tuple) else v) for k, v in options.to_dict().items()
                if k not in ("calibration_id", "channel_log2", "head_dim")}, **changes}
+
+
+def _preset_variant(name: str, **changes) -> dict:
+    """The preset ``name``'s options with ``changes`` (as make_prompt_cache keywords); a budget preset's name means
+    its block layout before issue 54 (`BLOCK_BUDGETS`)."""
+    return _options_dict(BLOCK_BUDGETS[name] if name in BLOCK_BUDGETS else preset(name), **changes)
 
 
 # Our configurations: name -> make_prompt_cache options. Bits in the names are K/V code bits;
@@ -176,6 +219,23 @@ OURS = {
     # ... uncentred: the offset takes out the keys' static mean (what centring did) without a second fitted mean
     **{f"tq{b}-pt0-ro": _preset_variant(f"tq-{b}b", codec=_tail_layout(0), rope_offset=True) for b in (4, 3, 2)},
     **{f"tq{b}-pt1-ro": _preset_variant(f"tq-{b}b", codec=_tail_layout(1), rope_offset=True) for b in (4, 3, 2)},
+    # ... keys per token, coded once on arrival (no block, no provisional code, no second rounding), with the offset
+    **{f"tq{b}-ks-ro": _preset_variant(f"tq-{b}b", codec=_token_layout(), group_size=None, code_batch=1,
+                                       rope_offset=True) for b in (4, 3, 2)},
+    **{f"tq{b}-ks32-ro": _preset_variant(f"tq-{b}b", codec=_token_layout(32), group_size=None, code_batch=1,
+                                         rope_offset=True) for b in (4, 3, 2)},
+    # ... on Lloyd-Max levels for the Gaussian (keys and values; same bytes)
+    **{f"tq{b}-kl{g}-ro": _preset_variant(f"tq-{b}b", codec=_level_layout(g), group_size=None, code_batch=1,
+                                          rope_offset=True) for b in (4, 3, 2) for g in (32, 64)},
+    # issue 54's default question: the budget layout at 5-bit keys, 4-bit values (<= 5.0 bits from 512 tokens)
+    "tq-k5v4": _options_dict(preset("tq-4b"), k_bits=5),
+    # ... where its KL comes from: values or keys at 8 bits (over the budget: a diagnosis)
+    "tq4-ks32-ro-v8": _preset_variant("tq-4b", codec=_token_layout(32), group_size=None, code_batch=1,
+                                      rope_offset=True, v_bits=8),
+    "tq4-ks32-ro-k8": _preset_variant("tq-4b", codec=_token_layout(32), group_size=None, code_batch=1,
+                                      rope_offset=True, k_bits=8),
+    **{f"tq{b}-ks": _preset_variant(f"tq-{b}b", codec=_token_layout(), group_size=None, code_batch=1)
+       for b in (4, 3, 2)},
     # The seed's cache: two b-bit RVQ key streams, float16 values.
     "seed-rvq-b1": dict(kind="rvq", k_bits=1),
     "seed-rvq-b2": dict(kind="rvq", k_bits=2),

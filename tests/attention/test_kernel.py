@@ -27,7 +27,7 @@ def test_the_kernel_is_built_and_used_here():
 
 def test_kernel_layouts_are_the_affine_ones():
     assert set(KERNEL_LAYOUTS) == {"affine", "affine_block", "affine_block_kv", "affine_block_kv_mse", "kblock_vsym",
-                                   "kblock_vsym8", "kblock_vsym8_pt", "lloyd_max", "kblock_vlloyd"}
+                                   "kblock_vsym8", "kblock_vsym8_pt", "lloyd_max", "kblock_vlloyd", "token_lloyd8"}
 
 
 @pytest.mark.parametrize("codec,bits", CASES)

@@ -21,6 +21,8 @@ from veloxquant_mlx.codecs import CODECS
 from veloxquant_mlx.cache.options import CacheOptions
 from veloxquant_mlx.cache.presets import DEFAULT_NAME, resolve_options
 
+from _layouts import KBLOCK
+
 TOL = 1e-5
 ULP = {mx.float32: 0.0, mx.float16: 2.0 ** -10, mx.bfloat16: 2.0 ** -7}  # relative spacing of each dtype
 
@@ -440,7 +442,7 @@ def test_left_padded_batch_with_sliding_windows_through_batch_generator(monkeypa
 
 
 # -- block keys coded in the model's own channels (key_rotation="none") ----------------------------------------------
-@pytest.mark.parametrize("preset,d", [(DEFAULT_NAME, 64), ("tq-4b", 64), ("tq-4b", 256)])
+@pytest.mark.parametrize("preset,d", [(DEFAULT_NAME, 64), (KBLOCK, 64), (KBLOCK, 256)])
 def test_unrotated_block_keys(preset, d):
     """`CacheOptions.key_rotation="none"`: the keys' codec holds the identity, the values keep their rotation; the
     kernel reads those codes as the reference does, and both score the keys' own channels (the decoded keys match
@@ -466,3 +468,23 @@ def test_unrotated_block_keys(preset, d):
         out = kernel.decode_step(q, parts, d ** -0.5)
     assert out is not None and a.n == 1 and a.refused == 0
     _close(out, reference_one_query(q, parts, d ** -0.5))
+
+
+# -- symmetric per-token keys as the coded part (k_zero) -------------------------------------------------------------
+def test_symmetric_per_token_keys_are_read_as_the_coded_part(monkeypatch):
+    """Keys coded as the values are (symmetric levels, one-byte scales, no biases: issue 54's research layout
+    ``ksym8_vsym8``) are read by the kernel through ``k_zero``, as the reference reads them; without the zero level
+    the scores would be off by ``zero * scale * sum(q)`` per group, which this check would see."""
+    from veloxquant_mlx.codecs import CodecLayout
+    from veloxquant_mlx.codecs.affine_sym_log import AffineSymLogScaleValueCodec
+    from _kernel_helpers import _parts
+
+    monkeypatch.setitem(CODECS, "ksym_test", CodecLayout(AffineSymLogScaleValueCodec, AffineSymLogScaleValueCodec))
+    for bits in (3, 4):
+        q, parts = _parts("ksym_test", bits, 200, seed=bits)
+        coded = next(p for p in parts if isinstance(p, CodedPart))
+        assert coded.k_codec.affine_codes(coded.k_arrays).zero != 0
+        with _Answered() as a:
+            out = kernel.decode_step(q, parts, 0.125)
+        assert out is not None and a.n == 1 and a.refused == 0
+        _close(out, reference_one_query(q, parts, 0.125))

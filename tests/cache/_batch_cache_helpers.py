@@ -19,6 +19,8 @@ from veloxquant_mlx.apps.eval.specs import CONFIGURATIONS
 from veloxquant_mlx.quant.rope import frame_of
 
 # head_dim 32 in the tiny model: block codecs code blocks of 32 tokens
+from _layouts import KBLOCK  # noqa: E402
+
 ROPE32 = frame_of(nn.RoPE(32, base=10000), 32)[0].to_list()  # (llama.ModelArgs' default RoPE at head_dim 32)
 CONFIGS = {
     "affine_block-k8v4": CONFIGURATIONS["tq-affine-k8v4"],
@@ -29,17 +31,21 @@ CONFIGS = {
     # exact recent windows: per-token codes read the tail's older tokens through a round trip; block codes wait
     "affine-recent": CacheOptions(codec="affine", k_bits=4, v_bits=4, sink=4, recent=6, trim_headroom=3),
     "affine_block-k8v4-recent": dataclasses.replace(CONFIGURATIONS["tq-affine-k8v4"], recent=8),
-    # the budget presets' layout: tokens waiting for their key block exact
-    "kblock_vsym8-k4v4": CONFIGURATIONS["tq-4b"],
+    # the budget presets (issue 54): keys and values per token on Lloyd-Max levels, coded on arrival past
+    # code_from tokens (here 24, so that the batches' rows cross it), with and without the key offset
+    "token_lloyd8-k4v4": dataclasses.replace(CONFIGURATIONS["tq-4b"], code_from=24),
+    "token_lloyd8-k4v4-ro": dataclasses.replace(CONFIGURATIONS["tq-4b"], code_from=24, rope_offset=True,
+                                                key_rope=ROPE32),
+    # the budget presets' block layout before issue 54: tokens waiting for their key block exact
+    "kblock_vsym8-k4v4": KBLOCK,
     # issue 47's layout: tokens waiting for their key block stored as codes (provisional keys, values), the keys
     # centred on each sequence's own mean (fitted on arrival)
-    "kblock_vsym8_pt-k4v4": dataclasses.replace(CONFIGURATIONS["tq-4b"], codec="kblock_vsym8_pt"),
-    "kblock_vsym8_pt-k4v4-centred": dataclasses.replace(CONFIGURATIONS["tq-4b"], codec="kblock_vsym8_pt",
-                                                        center_keys=True),
+    "kblock_vsym8_pt-k4v4": dataclasses.replace(KBLOCK, codec="kblock_vsym8_pt"),
+    "kblock_vsym8_pt-k4v4-centred": dataclasses.replace(KBLOCK, codec="kblock_vsym8_pt", center_keys=True),
     # issue 54's key offset: keys stored less their rotated mean before RoPE (the tiny model's RoPE: 32 dims)
-    "kblock_vsym8-k4v4-ro": dataclasses.replace(CONFIGURATIONS["tq-4b"], rope_offset=True, key_rope=ROPE32),
-    "kblock_vsym8_pt-k4v4-centred-ro": dataclasses.replace(CONFIGURATIONS["tq-4b"], codec="kblock_vsym8_pt",
-                                                           center_keys=True, rope_offset=True, key_rope=ROPE32),
+    "kblock_vsym8-k4v4-ro": dataclasses.replace(KBLOCK, rope_offset=True, key_rope=ROPE32),
+    "kblock_vsym8_pt-k4v4-centred-ro": dataclasses.replace(KBLOCK, codec="kblock_vsym8_pt", center_keys=True,
+                                                           rope_offset=True, key_rope=ROPE32),
 }
 RNG = np.random.default_rng(5)
 LENGTHS = (3, 80, 41, 150, 20, 7, 100, 1)  # around the sink (4) and 32-token blocks
@@ -163,7 +169,8 @@ def _arrays_reachable(obj, seen=None) -> int:
         # made of them) / "_sink_views" are views of counted arrays kept for the next decode step (reset whenever
         # those arrays change: a stale one would attend old codes, which tests/attention/test_kernel.py and the
         # equality tests here would see; holding superseded arrays, tests/cache/test_packed_cache_memory.py)
-        skip = ("rotation", "quantizers", "_base", "offset", "_views", "_sink_views")
+        # "levels" / "inner": token_lloyd8's codebook, one per bit width, shared by every cache
+        skip = ("rotation", "quantizers", "_base", "offset", "_views", "_sink_views", "levels", "inner")
         return sum(_arrays_reachable(v, seen) for k, v in vars(obj).items() if k not in skip)
     return 0
 

@@ -59,7 +59,9 @@ def block_cache(**kw):
 
 # ----------------------------------------------------------------------------- issue 47: a coded tail
 def _budget(bits=4, codec="kblock_vsym8_pt"):
-    from veloxquant_mlx.cache.presets import preset
+    """Issue 47's budget layout at ``bits`` (the presets' block layout before issue 54, `KBLOCK`)."""
     import dataclasses
 
-    return dataclasses.replace(preset(f"tq-{bits}b"), codec=codec)
+    from _layouts import KBLOCK
+
+    return dataclasses.replace(KBLOCK, codec=codec, k_bits=bits, v_bits=bits)

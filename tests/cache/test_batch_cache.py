@@ -195,7 +195,7 @@ def test_sliding_window_batch_with_sink_other_than_keep(sink, keep, recent):
 
 
 @pytest.mark.parametrize("name", ["affine_block-k8v4", "lloyd_max-k4v4", "affine-recent", "affine_block-k8v4-recent",
-                                  "kblock_vsym8-k4v4-ro", "kblock_vsym8_pt-k4v4-centred-ro"])
+                                  "kblock_vsym8-k4v4-ro", "kblock_vsym8_pt-k4v4-centred-ro", "token_lloyd8-k4v4-ro"])
 def test_batch_trim_equals_each_sequence_trimmed(name):
     """``trim(n)`` (speculative decoding's rejected drafts) drops every row's ``n`` newest tokens exactly as each
     sequence alone does (a cut block's survivors back in the tail), and the rows go on decoding as alone."""

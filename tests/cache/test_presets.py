@@ -28,7 +28,7 @@ def test_every_preset_is_read_only_options_and_the_budgets_are_presets():
     assert dict(presets.BUDGETS) == {"tq-4b": 4.25, "tq-3b": 3.25, "tq-2b": 2.25}
     for name in presets.BUDGETS:
         o = presets.PRESETS[name]
-        assert (o.codec, o.group_size, o.sink, o.trim_headroom) == ("kblock_vsym8", 128, 1, 0)
+        assert (o.codec, o.code_batch, o.code_from, o.sink, o.rope_offset) == ("token_lloyd8", 1, 128, 1, "auto")
         assert o.k_bits == o.v_bits == int(name[3])
     prod = presets.PRESETS["tq-prod-k4v4"]
     assert (prod.method, prod.codec, prod.k_bits, prod.v_bits, prod.sink) == ("turboquant_prod", "lloyd_max", 4, 4, 4)

@@ -161,6 +161,8 @@ def test_states_and_trims_keep_the_offset(codec):
 def test_bad_options_are_refused_clearly():
     with pytest.raises(ValueError, match="recent=0"):
         _options(recent=4)
+    # "auto" leaves out a layer with an exact window (the budget presets with recent=N), True refuses it
+    assert _options(offset="auto", recent=4).rope_frame is None and _options(offset="auto").rope_frame is not None
     with pytest.raises(ValueError, match="rope_offset applies to"):
         CacheOptions(codec="lloyd_max", rope_offset=True)
     with pytest.raises(ValueError, match="key_rope"):

@@ -79,23 +79,3 @@ def test_the_compiled_encoding_is_the_operations_bit_for_bit(bits, group):
     got, want = mod.sym_log_encode(nan, bits, 32)[1], reference_sym_log_encode(nan, bits, 32)[1]  # (1, 1, 2, 2)
     assert got[..., 0].tolist() == want[..., 0].tolist() == [[[NON_FINITE, NON_FINITE]]]
     assert mx.array_equal(got[..., 1], want[..., 1]).item()  # (the finite groups: as ever)
-
-
-def test_the_codec_encodes_through_the_compiled_operation_and_without_it():
-    """A cache's codec gives the same codes whether the compiled operation runs, a few tokens are fused by
-    mx.compile, or a chunk runs the plain operations."""
-    from veloxquant_mlx.cache import row_codes  # noqa: F401  (sets the compiled provider, as the caches do)
-    from veloxquant_mlx.codecs import affine_sym_log as m
-
-    codec = AffineSymLogScaleValueCodec(64, 4, seed=3)
-    x = mx.random.normal((1, 2, 3, 64), key=mx.random.key(2))
-    long = mx.random.normal((1, 2, 40, 64), key=mx.random.key(4))
-    with_op = [codec.encode(a) for a in (x, long)]
-    provider = m._compiled_provider
-    m.set_compiled_provider(None)
-    try:
-        without = [codec.encode(a) for a in (x, long)]
-    finally:
-        m.set_compiled_provider(provider)
-    for a, b in zip(with_op, without):
-        assert all(mx.array_equal(a[n], b[n]).item() for n in ("w_q", "scales"))

@@ -12,6 +12,8 @@ from veloxquant_mlx import KVCacheBuilder
 from veloxquant_mlx.cache.packed_cache import TurboQuantPackedCache, TurboQuantRotatingPackedCache
 from veloxquant_mlx.compat.turboquant_rvq_cache import TurboQuantRVQKVCache
 
+from _layouts import KBLOCK
+
 COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
 
 
@@ -181,7 +183,7 @@ def test_key_rotation_reaches_the_block_keys_and_spares_the_windows(tmp_path):
     model = gemma3_text.Model(gemma3_text.ModelArgs(
         model_type="gemma3_text", num_hidden_layers=4, head_dim=64, sliding_window=16,
         sliding_window_pattern=2, query_pre_attn_scalar=64, **COMMON))
-    caches = vq.make_prompt_cache(model, "tq-4b", key_rotation=["none", "none", "haar", "none"])
+    caches = vq.make_prompt_cache(model, KBLOCK, key_rotation=["none", "none", "haar", "none"])
     tokens = mx.array([[(7 * i) % 64 for i in range(300)]])
     model(tokens, cache=caches)  # (the codecs are made at the first update, from the head dims seen)
     kinds = [c.rows.k_codec.rotation.kind for c in caches]
@@ -197,7 +199,7 @@ def test_key_rotation_reaches_the_block_keys_and_spares_the_windows(tmp_path):
     a, b = model(step, cache=caches), model(step, cache=loaded)
     assert mx.allclose(a, b, atol=1e-5).item()
     with pytest.raises(ValueError, match="key_rotation has 2 entries"):
-        vq.make_prompt_cache(model, "tq-4b", key_rotation=["none", "haar"])
+        vq.make_prompt_cache(model, KBLOCK, key_rotation=["none", "haar"])
 
 
 def _fresh_copy(model):
@@ -216,18 +218,18 @@ def test_key_rotation_probe_unrotates_block_keys_without_a_calibration(skewed, t
     from veloxquant_mlx.cache.prompt_cache_io import load_prompt_cache, save_prompt_cache
 
     prompt = mx.array([[(7 * i) % 60 + 1 for i in range(200)]])
-    builder = KVCacheBuilder("tq-4b")
+    builder = KVCacheBuilder(KBLOCK)
     caches = builder.build(skewed)
     skewed(prompt, cache=caches)
     assert [c.rows.k_codec.rotation.kind for c in caches] == ["none"] * len(skewed.layers)
     layers = ", ".join(map(str, range(len(skewed.layers))))
     assert sum(f"key-rotation probe: the block keys of layers {layers} coded" in n for n in builder.notes) == 1
-    plain = KVCacheBuilder("tq-4b")
+    plain = KVCacheBuilder(KBLOCK)
     rotated = plain.build(tiny_model)
     tiny_model(prompt, cache=rotated)
     assert all(c.rows.k_codec.rotation.kind == "haar" for c in rotated)
     assert not any("probe" in n for n in plain.notes)
-    forced = vq.make_prompt_cache(skewed, "tq-4b", key_rotation="haar")
+    forced = vq.make_prompt_cache(skewed, KBLOCK, key_rotation="haar")
     skewed(prompt, cache=forced)
     assert all(c.rows.k_codec.rotation.kind == "haar" for c in forced)
     assert all(c.options.key_rotation is None for c in vq.make_prompt_cache(skewed, k_bits=4, codec="affine"))
@@ -240,6 +242,34 @@ def test_key_rotation_probe_unrotates_block_keys_without_a_calibration(skewed, t
     assert mx.array_equal(skewed(nxt, cache=loaded), skewed(nxt, cache=caches)).item()
 
 
+def test_budget_presets_give_block_keys_to_the_layers_the_probe_unrotates(skewed, tiny_model, tmp_path):
+    """tq-4b codes keys per token (`token_lloyd8`); on a model whose queries read key channels that vary little (the
+    probe unrotates them) its full-attention layers take the layout's ``CHANNEL_LAYOUT`` instead: block keys in the
+    model's own channels, said in one line; elsewhere the per-token codes stay. A
+    saved file brings the per-layer layouts back."""
+    from veloxquant_mlx.cache.prompt_cache_io import load_prompt_cache, save_prompt_cache
+    from veloxquant_mlx.codecs.token_lloyd import TokenLloydCodec
+
+    prompt = mx.array([[(7 * i) % 60 + 1 for i in range(200)]])
+    builder = KVCacheBuilder("tq-4b")
+    caches = builder.build(skewed)
+    skewed(prompt, cache=caches)
+    codec, block = TokenLloydCodec.CHANNEL_LAYOUT
+    assert [(c.options.codec, c.options.group_size, c.options.key_rotation) for c in caches] == \
+        [(codec, block, "none")] * len(skewed.layers)
+    assert all(c.rows.k_codec.rotation.kind == "none" for c in caches)
+    assert any("key-rotation probe: the block keys of layers" in n for n in builder.notes)
+    plain = vq.make_prompt_cache(tiny_model, "tq-4b")
+    tiny_model(prompt, cache=plain)
+    assert all(c.options.codec == "token_lloyd8" and c.rows.k_codec.rotation.kind == "haar" for c in plain)
+    path = str(tmp_path / "mixed.safetensors")
+    save_prompt_cache(path, caches)
+    loaded = load_prompt_cache(path)
+    assert [c.options.codec for c in loaded] == [codec] * len(skewed.layers)
+    nxt = mx.array([[5]])
+    assert mx.array_equal(skewed(nxt, cache=loaded), skewed(nxt, cache=caches)).item()
+
+
 def test_key_rotation_probe_runs_once_per_model_and_a_failure_is_said(tiny_model, monkeypatch):
     from veloxquant_mlx.integration import builder as builder_module
 
@@ -248,7 +278,7 @@ def test_key_rotation_probe_runs_once_per_model_and_a_failure_is_said(tiny_model
     monkeypatch.setattr(builder_module, "probe_key_rotations", lambda m: calls.append(m) or real(m))
     model = _fresh_copy(tiny_model)
     for _ in range(3):
-        vq.make_prompt_cache(model, "tq-4b")
+        vq.make_prompt_cache(model, KBLOCK)
     vq.make_prompt_cache(model)  # the default: block keys too, the same probe
     assert len(calls) == 1
 
@@ -257,7 +287,7 @@ def test_key_rotation_probe_runs_once_per_model_and_a_failure_is_said(tiny_model
 
     monkeypatch.setattr(builder_module, "probe_key_rotations", boom)
     other = _fresh_copy(tiny_model)
-    b = KVCacheBuilder("tq-4b")
+    b = KVCacheBuilder(KBLOCK)
     caches = b.build(other)
     other(mx.array([[1, 2, 3]]), cache=caches)
     assert [n for n in b.notes if "probe" in n] == ["key-rotation probe failed (RuntimeError: boom): block keys "

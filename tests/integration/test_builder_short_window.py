@@ -69,7 +69,7 @@ def test_windows_keep_their_newest_tokens_exact(tiny_model):
     mixed = (vq.make_prompt_cache(tiny_model, "tq-4b", window_recent=6)[:1]
              + vq.make_prompt_cache(tiny_model, "tq-4b", window_recent=6, max_kv_size=64)[1:])
     assert [c.options.recent for c in mixed] == [0] + [6] * (len(mixed) - 1)
-    assert "sliding window of 64 tokens: codec 'affine', keys 5 / values 4 bits, sink 1, newest 6 exact" \
+    assert "sliding window of 64 tokens: codec 'token_lloyd8', keys 5 / values 4 bits, sink 1, newest 6 exact" \
         in layer_kinds_note(mixed)  # (tq-4b's windows: keys at 5 bits, WINDOW_KEY_BITS)
     both = vq.make_prompt_cache(tiny_model, "tq-4b", recent=8, window_recent=6, max_kv_size=64)
     assert {c.options.recent for c in both} == {8}  # never fewer than `recent`
@@ -100,7 +100,7 @@ def test_window_keys_take_window_k_bits(tiny_model):
     mixed = (vq.make_prompt_cache(tiny_model, "tq-3b", window_k_bits=5)[:1]
              + vq.make_prompt_cache(tiny_model, "tq-3b", window_k_bits=5, max_kv_size=64)[1:])
     assert [(c.options.k_bits, c.options.value_bits) for c in mixed] == [(3, 3)] + [(5, 3)] * (len(mixed) - 1)
-    assert "sliding window of 64 tokens: codec 'affine', keys 5 / values 3 bits" in layer_kinds_note(mixed)
+    assert "sliding window of 64 tokens: codec 'token_lloyd8', keys 5 / values 3 bits" in layer_kinds_note(mixed)
     lower = vq.make_prompt_cache(tiny_model, "tq-4b", window_k_bits=3, max_kv_size=64)
     assert {(c.options.k_bits, c.options.value_bits) for c in lower} == {(4, 4)}  # a floor, never lower
     budget = vq.make_prompt_cache(tiny_model, "tq-2b", max_kv_size=64)  # the budget presets' windows

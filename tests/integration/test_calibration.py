@@ -18,6 +18,8 @@ from veloxquant_mlx.apps.eval.specs import with_calibration, compressed_spec
 from veloxquant_mlx.cache.presets import PRESETS
 from veloxquant_mlx.cache.options import CacheOptions
 
+from _layouts import KBLOCK
+
 
 
 def test_channel_weights_are_exact_powers_of_two_that_follow_the_optimum():
@@ -210,12 +212,12 @@ def test_calibration_picks_the_key_rotation_of_block_keys(skewed, calibration):
     with pytest.raises(ValueError, match="layer must be in"):
         cal.key_rotation(L)
 
-    builder = vq.KVCacheBuilder("tq-4b", calibration=cal)
+    builder = vq.KVCacheBuilder(KBLOCK, calibration=cal)
     caches = builder.build(skewed)
     skewed(mx.array([[(7 * i) % 60 + 1 for i in range(200)]]), cache=caches)
     assert [c.rows.k_codec.rotation.kind for c in caches] == ["none"] + ["haar"] * (L - 1)
     assert any("block keys of layer 0 coded in the model's own channels" in n for n in builder.notes)
-    forced = vq.make_prompt_cache(skewed, "tq-4b", calibration=cal, key_rotation="haar")
+    forced = vq.make_prompt_cache(skewed, KBLOCK, calibration=cal, key_rotation="haar")
     skewed(mx.array([[(7 * i) % 60 + 1 for i in range(200)]]), cache=forced)
     assert all(c.rows.k_codec.rotation.kind == "haar" for c in forced)
     # per-token codes keep their rotation whatever the calibration says

@@ -194,6 +194,13 @@ def compiled_sym_encoder():
     return getattr(mod, "sym_log_encode", None) if mod is not None else None
 
 
+def compiled_level_encoder():
+    """The codecs' compiled Lloyd-Max log-scale encoding (``level_log_encode``) when compiled code may run now, else
+    None (`veloxquant_mlx.codecs.token_lloyd.set_compiled_provider`)."""
+    mod = compiled_module()
+    return getattr(mod, "level_log_encode", None) if mod is not None else None
+
+
 def gather_rows(arrays: Sequence[mx.array], rows: Sequence[int], folds: Sequence[int]) -> List[mx.array]:
     """``[mx.take(a, item rows, axis=0)]`` for every array: array i holds items of ``folds[i]`` rows along axis 0
     (a folded ``(B*H, ...)`` array: fold H), and gets items ``rows`` in order, as arrays of their own. One compiled
@@ -283,7 +290,7 @@ def _derive_coded_arguments(coded, mod):
     if kc is None or vc is None:
         return None
     ka, va = (_readable_scales(c, mod) for c in (kc(coded.k_arrays), vc(coded.v_arrays)))
-    if ka is None or va is None or (ka.biases is None and ka.levels is None) or \
+    if ka is None or va is None or (ka.biases is None and ka.levels is None and not _symmetric_keys(ka, mod)) or \
             not (_group_ok(ka, coded.k_codec.d) and _group_ok(va, va.rotation.shape[0])):
         return None
     k2, v2 = ka.extra, va.extra
@@ -300,6 +307,12 @@ def _derive_coded_arguments(coded, mod):
               (k2.w, k2.scales, k2.rotation, k2.levels, k2.bits) if k2 is not None else (None,) * 4 + (0,))
     second += (v2.w, v2.levels, v2.bits) if v2 is not None else (None, None, 0)
     return ka, va, second
+
+
+def _symmetric_keys(ka, mod) -> bool:
+    """Symmetric per-token keys (``x = scale * (code - zero)``, no biases, no levels), which a module built with
+    ``reads_key_zero`` reads as its coded part (``k_zero``)."""
+    return getattr(mod, "reads_key_zero", False) and not ka.tokens_last and ka.zero != 0 and ka.extra is None
 
 
 MAX_ROWS = 16  # query rows per KV head one call takes (the kernel's MAX_R)
@@ -497,7 +510,8 @@ def decode_step(queries: mx.array, parts: Sequence, scale: float, sinks: Optiona
             q, ka.rotation, va.rotation, ka.w, ka.scales, ka.biases, ka.tokens_last, ka.bits, ka.group,
             va.w, va.scales, va.biases, va.tokens_last, va.bits, va.group, float(va.zero),
             ek.astype(mx.float32), ev.astype(mx.float32), ka.mean, va.mean, cmask, emask, s, ka.levels, va.levels,
-            *second, **({"spans": spans} if spans is not None else {}), **tail_kw, **bias_kw)
+            *second, **({"spans": spans} if spans is not None else {}), **tail_kw, **bias_kw,
+            **({"k_zero": float(ka.zero)} if ka.biases is None and ka.levels is None else {}))
     except (ValueError, TypeError, RuntimeError) as e:  # a layout the kernel refuses: the reference takes the call
         _refused(e)
         return None

@@ -13,6 +13,7 @@ import mlx.core as mx
 
 from veloxquant_mlx.codecs.affine_encode import reference_affine_encode
 from veloxquant_mlx.codecs.affine_sym_log import reference_sym_log_encode
+from veloxquant_mlx.codecs.token_lloyd import gaussian_levels, reference_level_log_encode
 
 
 def _smoke_check(mod) -> None:
@@ -46,6 +47,11 @@ def _smoke_check(mod) -> None:
         got = mod.sym_log_encode(k, 4, 32)
         if not all(mx.array_equal(a, b).item() for a, b in zip(got, reference_sym_log_encode(k, 4, 32))):
             raise RuntimeError("the compiled symmetric encoding's check against the codecs' operations failed")
+    if hasattr(mod, "level_log_encode"):  # the Lloyd-Max log-scale encoding: bit for bit the codecs' operations
+        levels, inner = gaussian_levels(4)
+        got = mod.level_log_encode(k, levels, inner, 4, 32)
+        if not all(mx.array_equal(a, b).item() for a, b in zip(got, reference_level_log_encode(k, levels, inner, 4, 32))):
+            raise RuntimeError("the compiled Lloyd-Max encoding's check against the codecs' operations failed")
     if hasattr(mod, "gather_rows"):  # the batch caches' row gather: mx.take's rows
         rows = mx.swapaxes(k.reshape(2, 64, 32), 1, 2)  # (a strided view)
         got = mod.gather_rows([rows], [1, 0], [1])[0]

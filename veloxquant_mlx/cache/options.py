@@ -63,6 +63,9 @@ class CacheOptions:
         first coded token (the newest up to ``code_batch - 1`` wait exact, as a block codec's incomplete block
         does); 1 codes every token on arrival. Coding a decode token costs a fixed ~0.6-0.8 ms per layer here
         whatever the batch (BENCHMARKS.md). Block codecs code whole blocks; exact windows code tokens as they leave.
+    code_from: a row (sequence) codes nothing until it holds this many tokens, then codes them as it would have (0:
+        from its first): a short chat attends exactly as mlx_lm's own cache, and the bits a layout promises hold from
+        that length on. The budget presets: 128 (their block layouts kept a row exact until its first key block).
     center_keys / center_values: code ``x - mu`` with ``mu`` a per-head channel mean fitted on the first tokens.
     value_outliers: values get outlier channels too. n_outlier_channels / outlier_bits: key channels coded apart.
     group_size: affine group size (affine codecs; for affine_block also the key block in tokens).
@@ -82,7 +85,8 @@ class CacheOptions:
         ``mu`` is fitted per sequence on its first tokens after the sink. Full-attention layers of the block key
         layouts, without an exact window (``recent`` 0); needs the layer's RoPE (``key_rope``). True: required
         (a cache without ``key_rope`` refuses its first update); "auto": where the layer's RoPE is known (a cache
-        built for a model), post-RoPE codes elsewhere (a cache built alone, a sliding window); False: never.
+        built for a model), post-RoPE codes elsewhere (a cache built alone, a sliding window, an exact ``recent``
+        window); False: never.
     key_rope: one layer's RoPE as a per-pair rotation, ``(dims, traditional, rates)``
         (`veloxquant_mlx.quant.rope.RopeFrame`): the builder reads it from the layer's RoPE module when
         ``rope_offset`` is set (a layer whose RoPE it cannot read keeps post-RoPE codes, and `enable` says so).
@@ -114,6 +118,7 @@ class CacheOptions:
     recent: int = 0
     trim_headroom: int = 8
     code_batch: int = 16
+    code_from: int = 0
     center_keys: bool = True
     center_values: bool = True
     value_outliers: bool = False
@@ -149,6 +154,7 @@ class CacheOptions:
         set_("short_window_bits", check_int("short_window_bits", self.short_window_bits, 1, 8))
         set_("window_k_bits", check_int("window_k_bits", self.window_k_bits, 0, 8))
         set_("code_batch", check_int("code_batch", self.code_batch, 1, 4096))
+        set_("code_from", check_int("code_from", self.code_from, 0))
         set_("jl_dim", check_int("jl_dim", self.jl_dim, 1, optional=True))
         set_("head_dim", check_int("head_dim", self.head_dim, 1, optional=True))
         for name in ("center_keys", "center_values", "value_outliers"):
@@ -228,7 +234,7 @@ class CacheOptions:
             able = sorted(n for n, lay in CODECS.items() if getattr(lay.keys, "ROPE_OFFSET", False))
             raise ValueError(f"rope_offset applies to kind='packed' with a codec of {able}, not kind={self.kind!r} "
                              f"codec={self.codec!r}")
-        if self.recent:
+        if self.recent and self.rope_offset is True:  # ("auto": not where an exact window is asked for)
             raise ValueError("rope_offset keeps no exact window: set recent=0 (or rope_offset=False)")
 
     def _check_codec_options(self, layout) -> None:
@@ -292,7 +298,8 @@ class CacheOptions:
     @property
     def rope_frame(self) -> Optional[RopeFrame]:
         """The `RopeFrame` of ``key_rope`` when ``rope_offset`` is set, else None."""
-        return RopeFrame.from_list(self.key_rope) if self.rope_offset and self.key_rope is not None else None
+        on = self.rope_offset is True or (self.rope_offset == "auto" and not self.recent)
+        return RopeFrame.from_list(self.key_rope) if on and self.key_rope is not None else None
 
     @classmethod
     def from_dict(cls, data: Dict[str, Any]) -> "CacheOptions":

@@ -35,19 +35,18 @@ def _tq(method: str, k_bits: int, v_bits: int, codec: str = "lloyd_max") -> Cach
     return CacheOptions(method=method, k_bits=k_bits, v_bits=v_bits, sink=SINK_TOKENS, codec=codec)
 
 
-# The budget configurations of issues 16, 28 and 47: the best measured configuration within each bit budget at 1 + a
-# multiple of 128 tokens (bits per coordinate averaged over K and V, every stored byte counted). Layout
-# "kblock_vsym8": keys per rotated channel over 128-token blocks with least-squared-error clipped ranges (0.25 bit
-# of float16 scale and bias), values per token with symmetric levels and one one-byte log-grid scale per 64
-# coordinates (0.125 bit), attention on the codes throughout. One exact sink token (the first, which most heads
-# attend to): on SmolLM2 it more than halves the KL at every budget (issue 28). trim_headroom=0 codes a block as
-# soon as it is complete; up to 127 newest tokens wait exact in between, so at other lengths the names do not hold
-# (5.9 bits at 2048 for tq-4b: `veloxquant_mlx.apps.eval.memory.measure_bits`). Issue 47's layout "kblock_vsym8_pt" with
-# center_keys=True codes the waiting tokens too (keys per token centred on the sequence's mean) and holds the names
-# at every length, but is not the presets' yet: it decodes its coded tail at every step (0.82x the plain cache's
-# decode at 4096 tokens on SmolLM2, where this layout gains) and, with every token of a short chat coded, changes
-# SmolLM2's answer to the demo question (BENCHMARKS.md, issue 47). No centring here: the keys' per-channel biases
-# absorb their means. Sliding-window layers (models with them only; they code per token) keep their newest
+# The budget configurations (issues 16, 28, 47 and 54): the best measured configuration within each bit budget at
+# every length from 512 tokens (bits per coordinate averaged over K and V, every stored byte counted:
+# `veloxquant_mlx.apps.eval.memory.measure_bits`). Layout "token_lloyd8" (`veloxquant_mlx.codecs.token_lloyd`): keys
+# and values coded per token on arrival, rotated, on the Lloyd-Max levels of a Gaussian (TurboQuant's codebook) with
+# one one-byte log-grid scale per 64 coordinates (b + 0.125 bits); keys stored less their rotated pre-RoPE mean
+# (rope_offset="auto", where the layer's RoPE is known: `CacheOptions.rope_offset`); one exact sink token (the
+# first, which most heads attend to: it more than halved the KL at every budget, issue 28); rows shorter than
+# `CODE_FROM` tokens stay exact. On SmolLM2 at 2048 tokens (Debian / Bible text) tq-4b went from 5.93 bits at KL
+# 0.012 (keys per channel over 128-token blocks, up to 127 newest tokens waiting exact) to 4.14 bits at 0.0115 /
+# 0.0395, 4.20 at 512 tokens (BENCHMARKS.md, issue 54). Full-attention layers whose queries read key channels that
+# vary little (the builder's key-rotation probe or a calibration finds them: Gemma 3's) take that block layout in
+# the model's own channels instead (`TokenLloydCodec.CHANNEL_LAYOUT`). Sliding-window layers (models with them only) keep their newest
 # `WINDOW_RECENT` tokens exact and code keys at no fewer than `WINDOW_KEY_BITS` bits: a window's queries read
 # mostly their newest keys, sharply, so its key error carries the KL. On Gemma 3 270M (Bible, 2048 tokens,
 # calibrated) this took tq-4b's KL 0.173 -> 0.014, tq-3b's 0.78 -> 0.038, tq-2b's 2.27 -> 0.15, for +0.3 to +0.65
@@ -56,10 +55,16 @@ WINDOW_RECENT = 16
 WINDOW_KEY_BITS = 5
 
 
+# Rows shorter than this stay exact (`CacheOptions.code_from`): a short chat answers as with mlx_lm's own cache
+# (every token coded, SmolLM2's answer to the demo question changed at 2 bits, issue 54); from 512 tokens on the
+# bits are the names'.
+CODE_FROM = 128
+
+
 def _budget(bits: int) -> CacheOptions:
-    return CacheOptions(codec="kblock_vsym8", k_bits=bits, v_bits=bits, group_size=128, trim_headroom=0,
-                        center_keys=False, center_values=False, sink=1, window_recent=WINDOW_RECENT,
-                        window_k_bits=WINDOW_KEY_BITS)
+    return CacheOptions(codec="token_lloyd8", k_bits=bits, v_bits=bits, code_batch=1, code_from=CODE_FROM,
+                        trim_headroom=0, center_keys=False, center_values=False, sink=1, rope_offset="auto",
+                        window_recent=WINDOW_RECENT, window_k_bits=WINDOW_KEY_BITS)
 
 
 # budget preset name -> its budget in bits per coordinate (every stored byte counted)

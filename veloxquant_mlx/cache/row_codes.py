@@ -10,8 +10,8 @@ from typing import Dict, Optional, Sequence
 
 import mlx.core as mx
 
-from veloxquant_mlx.attention.kernel import compiled_encoder, compiled_sym_encoder
-from veloxquant_mlx.codecs import affine_sym_log, codec_layout
+from veloxquant_mlx.attention.kernel import compiled_encoder, compiled_level_encoder, compiled_sym_encoder
+from veloxquant_mlx.codecs import affine_sym_log, codec_layout, token_lloyd
 from veloxquant_mlx.codecs.affine_encode import set_compiled_provider
 from veloxquant_mlx.quant.slot_store import TOKEN_AXIS, SlotStore
 
@@ -19,6 +19,7 @@ from veloxquant_mlx.quant.slot_store import TOKEN_AXIS, SlotStore
 # where the caches code tokens, the first layer that imports both the codecs and the kernel.
 set_compiled_provider(compiled_encoder)
 affine_sym_log.set_compiled_provider(compiled_sym_encoder)
+token_lloyd.set_compiled_provider(compiled_level_encoder)
 
 
 def column(values: Sequence[int]) -> mx.array:

@@ -260,6 +260,17 @@ class Rows(RowViews):
         if self.dims is None:
             self.setup(keys.shape[-1], values.shape[-1], keys.shape[1])
         o = self.options
+        if lead is None and T == 1 and self.code_step == 1 and self.block == 1 and self.B == 1 and self.coded[0] \
+                and not self.tail_n[0] and not (o.recent or self.window) and self.sink_n[0] >= o.sink \
+                and self.fitted[0]:
+            # A decode step of a per-token codec coding every token on arrival (code_batch 1): straight to the
+            # codes, as `_code_tail` would store it, without the tail's bookkeeping (~0.4 ms per layer).
+            if self.rope is not None:
+                keys = self._less_step_offset(keys)
+            self._write(0, keys, values)
+            self.coded[0] += 1
+            self.lengths[0] += 1
+            return
         if lead is None and T == 1 and self.code_step > 1 and self.B and min(self.sink_n) >= o.sink \
                 and not self.window and ((self.block > 1 and not self.fits_on_arrival) or all(self.fitted)):
             # (per-token codecs, and a tail coded on the keys' mean, fit on arrival)
@@ -347,6 +358,9 @@ class Rows(RowViews):
         tokens after the sink, as when it coded them on arrival)."""
         step, L, o = self.code_step, self.tail.length, self.options
         n_code = [max(t - self.exact_keep, 0) // step * step for t in self.tail_n]
+        if o.code_from:  # rows still short keep every token exact (their count after this update)
+            n_code = [n if c or s + t >= o.code_from else 0
+                      for n, c, s, t in zip(n_code, self.coded, self.sink_n, self.tail_n)]
         fit = [not f and (n > 0 or (self.block == 1 and t > o.recent))
                for f, n, t in zip(self.fitted, n_code, self.tail_n)]
         if not (any(n_code) or any(fit)):

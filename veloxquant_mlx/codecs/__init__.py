@@ -24,6 +24,7 @@ from veloxquant_mlx.codecs.contract import Codec, CodeField, check_codec
 from veloxquant_mlx.codecs.float16 import Float16Codec
 from veloxquant_mlx.codecs.kblock_tail import TailedBlockKeyCodec, TailedSymValueCodec
 from veloxquant_mlx.codecs.lloyd_max import LloydMaxCodec
+from veloxquant_mlx.codecs.token_lloyd import TokenLloydCodec
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,9 @@ CODECS: Dict[str, CodecLayout] = {
     "kblock_vsym8": CodecLayout(AffineBlockKVMSECodec, AffineSymLogScaleValueCodec),
     # kblock_vsym8 with the tokens waiting for their key block stored as codes (kblock_tail.py): the budget presets
     "kblock_vsym8_pt": CodecLayout(TailedBlockKeyCodec, TailedSymValueCodec),
+    # keys and values per token on Lloyd-Max levels with one-byte scales, coded on arrival (token_lloyd.py): the
+    # budget presets (issue 54)
+    "token_lloyd8": CodecLayout(TokenLloydCodec, TokenLloydCodec),
 }
 
 

@@ -96,17 +96,19 @@ class KVCacheBuilder:
         return cls(config, calibration=calibration, **options).build(model, max_kv_size=max_kv_size,
                                                                        route_attention=route_attention)
 
-    def _calibrated(self, model, per_layer: List[Any]) -> List[Any]:
-        """Each layer's options with its channel weights from the calibration (checked against ``model`` once)."""
+    def _calibrated(self, model, base: List[Any], per_layer: List[Any]) -> List[Any]:
+        """Each layer's options with its channel weights from the calibration (checked against ``model`` once) and
+        its key rotation where the options leave it open (`Calibration.key_rotation`, `_with_key_rotation`)."""
         cal = self.calibration
         if cal is None:
             return per_layer
         if self._checked is None or self._checked() is not model:
             cal.check_model(model)
             self._checked = weakref.ref(model)
-        return [dataclasses.replace(o, calibration_id=cal.id, channel_log2=cal.layer_log2(i),
-                                    key_rotation=_calibrated_key_rotation(o, cal, i))
-                for i, o in enumerate(per_layer)]
+        out = [dataclasses.replace(o, calibration_id=cal.id, channel_log2=cal.layer_log2(i))
+               for i, o in enumerate(per_layer)]
+        return [_with_key_rotation(o, cal.key_rotation(i) if _open_key_rotation(o) else None,
+                                   type(base[i]) is mlx_cache.KVCache) for i, o in enumerate(out)]
 
     def _probed(self, model, base: List[Any], per_layer: List[Any]) -> List[Any]:
         """Without a calibration, each layer's key rotation where its options leave it open, from the model's own
@@ -121,8 +123,7 @@ class KVCacheBuilder:
             return per_layer
         if len(choice) != len(per_layer):
             return per_layer
-        out = [dataclasses.replace(o, key_rotation=r) if r is not None and _open_key_rotation(o) else o
-               for o, r in zip(per_layer, choice)]
+        out = [_with_key_rotation(o, r, type(c) is mlx_cache.KVCache) for o, r, c in zip(per_layer, choice, base)]
         unrotated = [i for i, (o, r) in enumerate(zip(per_layer, choice)) if r is not None and _open_key_rotation(o)
                      and type(base[i]) is mlx_cache.KVCache]
         if unrotated:
@@ -186,7 +187,7 @@ class KVCacheBuilder:
         n_layers = len(base)
         # a model without one head_dim (per-layer head dims, MLA latents): each cache reads its own at its first update
         per_layer = [self.options.for_layer(i, n_layers, head_dim) for i in range(n_layers)]  # validates first
-        per_layer = self._calibrated(model, per_layer)
+        per_layer = self._calibrated(model, base, per_layer)
         self.notes = []  # how the layout was fitted to this head_dim (said by `enable`)
         per_layer = self._probed(model, base, per_layer)
         per_layer = self._with_rope(model, base, per_layer, head_dim)
@@ -267,8 +268,29 @@ def _rope_frames(model, n_layers: int, head_dim: Optional[int]) -> list:
 
 
 def _open_key_rotation(options) -> bool:
-    """Whether a layer's key rotation is left to the builder: packed, block keys, ``key_rotation`` unset."""
-    return options.kind == "packed" and options.key_rotation is None and codec_layout(options.codec).keys.BLOCKED
+    """Whether a layer's key rotation is left to the builder: packed, ``key_rotation`` unset, keys coded per channel
+    over blocks, or per token by a layout naming the block layout its keys take in their own channels
+    (``CHANNEL_LAYOUT``)."""
+    if options.kind != "packed" or options.key_rotation is not None:
+        return False
+    keys = codec_layout(options.codec).keys
+    return keys.BLOCKED or getattr(keys, "CHANNEL_LAYOUT", None) is not None
+
+
+def _with_key_rotation(options, rotation: Optional[str], full_attention: bool):
+    """``options`` with the key rotation chosen for its layer (None: unchanged). Block keys take it; a per-token
+    layout's full-attention layer whose keys are better coded in their own channels (``"none"``: its queries read
+    channels whose keys vary little, which a rotation drowns in the others) takes the layout's ``CHANNEL_LAYOUT``
+    (codec, key block) with the keys unrotated; its sliding windows code per token whatever the choice."""
+    if rotation is None or not _open_key_rotation(options):
+        return options
+    keys = codec_layout(options.codec).keys
+    if keys.BLOCKED:
+        return dataclasses.replace(options, key_rotation=rotation)
+    if rotation != "none" or not full_attention:
+        return options
+    codec, block = keys.CHANNEL_LAYOUT
+    return dataclasses.replace(options, codec=codec, group_size=block, key_rotation="none")
 
 
 # id(model) -> (weakref to it, its probe result): one probe per model for every builder (a server builds per request)
@@ -298,14 +320,6 @@ def _probe(model, base: List[Any]) -> Tuple[Optional[Tuple[Optional[str], ...]],
         return result
     _PROBES[id(model)] = (ref, result)
     return result
-
-
-def _calibrated_key_rotation(options, cal, layer: int):
-    """The options' ``key_rotation`` when set, else the calibration's choice for layer ``layer`` where its keys
-    are coded per channel over blocks (`Calibration.key_rotation`)."""
-    if options.key_rotation is not None or options.kind != "packed" or not codec_layout(options.codec).keys.BLOCKED:
-        return options.key_rotation
-    return cal.key_rotation(layer)
 
 
 def _full_attention(cache, options, placeholders: bool):

@@ -36,9 +36,8 @@ LAYOUT_BYTES = {
     "tq-rvq-k2v2": 2 * H * _packed(D, 2 * 2),  # two 2-bit index streams and one norm
     # rotation + MLX affine codes: b bits + a float16 scale and bias per group of 64
     **{f"tq-affine-k{kb}v{vb}": H * (D * kb // 8 + 4 + D * vb // 8 + 4) for kb, vb in ((4, 4), (8, 4), (8, 8))},
-    # keys per channel over 128-token blocks (b bits + a float16 scale and bias per channel per block), values
-    # per token (b bits + one one-byte log-grid scale per 64 coordinates)
-    **{f"tq-{b}b": H * (D * b // 8 + 2 * 2 * D // 128 + D * b // 8 + D // 64) for b in (4, 3, 2)},
+    # keys and values per token: b-bit Lloyd-Max codes + one one-byte log-grid scale per 64 coordinates
+    **{f"tq-{b}b": 2 * H * (D * b // 8 + D // 64) for b in (4, 3, 2)},
 }
 
 

@@ -358,19 +358,22 @@ constexpr int LOG_STEPS = 8, LOG_OFFSET = 142, NON_FINITE = 255, CLIP_STEPS = 7;
 
 struct SymParams {
   int bits, group;
-  bool operator==(const SymParams& o) const { return bits == o.bits && group == o.group; }
+  bool levels;  // Lloyd-Max codes (inputs y, levels, inner boundaries) instead of symmetric levels (input y)
+  bool operator==(const SymParams& o) const { return bits == o.bits && group == o.group && levels == o.levels; }
 };
 
-class SymLogEncode : public Primitive {
+// One primitive for both per-token codes with one-byte log-grid scales: symmetric levels, or Lloyd-Max levels
+// (`SymParams::levels`); the same rows, groups and outputs.
+class LogScaleEncode : public Primitive {
  public:
-  SymLogEncode(Stream s, SymParams p) : Primitive(s), p_(p) {}
+  LogScaleEncode(Stream s, SymParams p) : Primitive(s), p_(p) {}
   void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override;
   void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
-    throw std::runtime_error("veloxquant symmetric encode has no GPU implementation (use the MLX reference)");
+    throw std::runtime_error("veloxquant log-scale encode has no GPU implementation (use the MLX reference)");
   }
-  const char* name() const override { return "VeloxquantSymLogEncode"; }
+  const char* name() const override { return "VeloxquantLogScaleEncode"; }
   bool is_equivalent(const Primitive& other) const override {
-    return p_ == static_cast<const SymLogEncode&>(other).p_;
+    return p_ == static_cast<const LogScaleEncode&>(other).p_;
   }
 
  private:
@@ -416,34 +419,6 @@ inline uint8_t sym_log_group(const float* x, int n, int bits, uint8_t* q) {
   return uint8_t(best_code);
 }
 
-void SymLogEncode::eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) {
-  for (auto& o : outputs) o.set_data(allocator::malloc(o.nbytes()));
-  auto& enc = cpu::get_command_encoder(stream());
-  for (auto& a : inputs) enc.set_input_array(a);
-  for (auto& o : outputs) enc.set_output_array(o);
-  enc.dispatch([y = inputs[0], w = array::unsafe_weak_copy(outputs[0]), s = array::unsafe_weak_copy(outputs[1]),
-                p = p_]() mutable {
-    const int64_t rows = y.size() / y.shape(3), d = y.shape(3), groups = d / p.group;
-    const int64_t wpg = int64_t(p.group) * p.bits / 32;
-    const auto& st = y.strides();
-    const int64_t H = y.shape(1), T = y.shape(2);
-    const float* x = y.data<float>();
-    uint32_t* wq = w.data<uint32_t>();
-    uint8_t* sc = s.data<uint8_t>();
-    alignas(32) float row[256];
-    alignas(32) uint8_t q[256];
-    for (int64_t i = 0; i < rows; ++i) {  // (B, H, T) row i, read through y's strides
-      const int64_t b = i / (H * T), h = (i / T) % H, t = i % T;
-      const float* xi = x + b * st[0] + h * st[1] + t * st[2];
-      for (int64_t c = 0; c < d; ++c) row[c] = xi[c * st[3]];
-      for (int64_t g = 0; g < groups; ++g) {
-        sc[i * groups + g] = sym_log_group(row + g * p.group, p.group, p.bits, q);
-        pack_codes(q, p.group, p.bits, wq + (i * groups + g) * wpg);
-      }
-    }
-  });
-}
-
 // y (B, H, T, d) float32 -> (w_q uint32 (B, H, T, d*bits/32), scale codes uint8 (B, H, T, d/group)).
 std::vector<array> sym_log_encode(const array& y, int bits, int group) {
   require(y.ndim() == 4 && y.dtype() == float32, "y must be float32 (B, H, T, d)", "sym_log_encode");
@@ -454,7 +429,108 @@ std::vector<array> sym_log_encode(const array& y, int bits, int group) {
   Stream s = to_stream(StreamOrDevice{});
   require(s.device == Device::cpu, "runs on the CPU: make the CPU the default device", "sym_log_encode");
   return array::make_arrays({Shape{B, H, T, d * bits / 32}, Shape{B, H, T, d / group}}, {uint32, uint8},
-                            std::make_shared<SymLogEncode>(s, SymParams{bits, group}), {y});
+                            std::make_shared<LogScaleEncode>(s, SymParams{bits, group, false}), {y});
+}
+
+// ---- Lloyd-Max codes with one-byte log-grid scales (codecs.token_lloyd.reference_level_log_encode) ----
+// Per group of `group` values along d: the RMS's grid point (rounded), then the grid scale of least squared error
+// among LEVEL_SCALE_STEPS points around it; each value's code is its level interval's (the count of inner
+// boundaries below y / s). Sums run in index order in float32, as the reference's reductions on this layout.
+constexpr int LEVEL_STEP_LO = -4, LEVEL_STEP_HI = 4;  // grid steps tried: [LO, HI)
+
+// The count of inner boundaries below u (sorted ascending): u's level.
+inline uint8_t level_index(float u, const float* inner, int m) {
+  return uint8_t(std::lower_bound(inner, inner + m, u) - inner);
+}
+
+// One group x[0..n) -> codes q[0..n) and its scale code.
+inline uint8_t level_log_group(const float* x, int n, const float* levels, const float* inner, int m, uint8_t* q) {
+  float ss = 0.0f;
+  bool bad = false;
+  for (int j = 0; j < n; ++j) {
+    if (!std::isfinite(x[j])) bad = true;
+    ss += x[j] * x[j];
+  }
+  const float rms = std::sqrt(ss / float(n));
+  if (bad || !std::isfinite(rms)) {
+    std::fill(q, q + n, uint8_t(0));
+    return uint8_t(NON_FINITE);
+  }
+  if (rms == 0.0f) {
+    for (int j = 0; j < n; ++j) q[j] = level_index(0.0f, inner, m);
+    return 0;
+  }
+  const float mid = std::rint(float(LOG_STEPS) * std::log2(std::max(rms, 1e-30f))) + float(LOG_OFFSET);
+  float best_err = 0.0f, best_code = 0.0f, best_s = 0.0f;
+  for (int r = LEVEL_STEP_LO; r < LEVEL_STEP_HI; ++r) {
+    const float code = std::min(std::max(mid + float(r), 1.0f), float(NON_FINITE - 1));
+    const float sc = std::pow(2.0f, (code - float(LOG_OFFSET)) / float(LOG_STEPS));
+    float err = 0.0f;
+    for (int j = 0; j < n; ++j) {
+      const float e = sc * levels[level_index(x[j] / sc, inner, m)] - x[j];
+      err += e * e;
+    }
+    if (r == LEVEL_STEP_LO || err < best_err) {
+      best_err = err;
+      best_code = code;
+      best_s = sc;
+    }
+  }
+  for (int j = 0; j < n; ++j) q[j] = level_index(x[j] / best_s, inner, m);
+  return uint8_t(best_code);
+}
+
+void LogScaleEncode::eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) {
+  for (auto& o : outputs) o.set_data(allocator::malloc(o.nbytes()));
+  auto& enc = cpu::get_command_encoder(stream());
+  for (auto& a : inputs) enc.set_input_array(a);
+  for (auto& o : outputs) enc.set_output_array(o);
+  enc.dispatch([y = inputs[0], lv = p_.levels ? inputs[1] : inputs[0], bd = p_.levels ? inputs[2] : inputs[0],
+                w = array::unsafe_weak_copy(outputs[0]), s = array::unsafe_weak_copy(outputs[1]), p = p_]() mutable {
+    const int64_t rows = y.size() / y.shape(3), d = y.shape(3), groups = d / p.group;
+    const int64_t wpg = int64_t(p.group) * p.bits / 32;
+    const auto& st = y.strides();
+    const int64_t H = y.shape(1), T = y.shape(2);
+    const float* x = y.data<float>();
+    const float* levels = p.levels ? lv.data<float>() : nullptr;
+    const float* inner = p.levels ? bd.data<float>() : nullptr;
+    const int m = p.levels ? int(bd.size()) : 0;
+    uint32_t* wq = w.data<uint32_t>();
+    uint8_t* sc = s.data<uint8_t>();
+    alignas(32) float row[256];
+    alignas(32) uint8_t q[256];
+    for (int64_t i = 0; i < rows; ++i) {  // (B, H, T) row i, read through y's strides
+      const int64_t b = i / (H * T), h = (i / T) % H, t = i % T;
+      const float* xi = x + b * st[0] + h * st[1] + t * st[2];
+      for (int64_t c = 0; c < d; ++c) row[c] = xi[c * st[3]];
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* xg = row + g * p.group;
+        sc[i * groups + g] = p.levels ? level_log_group(xg, p.group, levels, inner, m, q)
+                                      : sym_log_group(xg, p.group, p.bits, q);
+        pack_codes(q, p.group, p.bits, wq + (i * groups + g) * wpg);
+      }
+    }
+  });
+}
+
+// y (B, H, T, d) float32, levels (2^bits,), inner boundaries (2^bits - 1,) float32 -> (w_q uint32
+// (B, H, T, d*bits/32), scale codes uint8 (B, H, T, d/group)).
+std::vector<array> level_log_encode(const array& y, const array& levels, const array& inner, int bits, int group) {
+  const char* op = "level_log_encode";
+  require(y.ndim() == 4 && y.dtype() == float32, "y must be float32 (B, H, T, d)", op);
+  require(bits >= 2 && bits <= 8 && bits != 7, "bits must be 2, 3, 4, 5, 6 or 8", op);
+  require(group == 32 || group == 64 || group == 128, "group must be 32, 64 or 128", op);
+  require(levels.dtype() == float32 && levels.ndim() == 1 && levels.shape(0) == (1 << bits),
+          "levels must be float32 (2**bits,)", op);
+  require(inner.dtype() == float32 && inner.ndim() == 1 && inner.shape(0) == (1 << bits) - 1,
+          "inner boundaries must be float32 (2**bits - 1,)", op);
+  const int B = y.shape(0), H = y.shape(1), T = y.shape(2), d = y.shape(3);
+  require(d % group == 0 && d <= 256 && (d * bits) % 32 == 0, "d must hold whole groups (at most 256)", op);
+  Stream s = to_stream(StreamOrDevice{});
+  require(s.device == Device::cpu, "runs on the CPU: make the CPU the default device", op);
+  auto c = [](const array& a) { return a.is_available() && a.flags().row_contiguous ? a : contiguous(a); };
+  return array::make_arrays({Shape{B, H, T, d * bits / 32}, Shape{B, H, T, d / group}}, {uint32, uint8},
+                            std::make_shared<LogScaleEncode>(s, SymParams{bits, group, true}), {y, c(levels), c(inner)});
 }
 
 }  // namespace vq_encode
@@ -466,4 +542,8 @@ void bind_affine_encode(nb::module_& m) {
   m.def("sym_log_encode", &vq_encode::sym_log_encode, nb::arg("y"), nb::arg("bits"), nb::arg("group"),
         "symmetric codes with one-byte log-grid scales (w_q, scale codes) of rotated float32 (B, H, T, d), as "
         "codecs.affine_sym_log");
+  m.def("level_log_encode", &vq_encode::level_log_encode, nb::arg("y"), nb::arg("levels"), nb::arg("inner"),
+        nb::arg("bits"), nb::arg("group"),
+        "Lloyd-Max codes with one-byte log-grid scales (w_q, scale codes) of rotated float32 (B, H, T, d), as "
+        "codecs.token_lloyd");
 }

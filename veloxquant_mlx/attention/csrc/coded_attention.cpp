@@ -1340,6 +1340,7 @@ struct Params {
   bool k_tokens_last, v_tokens_last;
   int k_bits, k_group, v_bits, v_group;
   float v_zero;  // symmetric values' zero level when the values have no biases
+  float k_zero;  // symmetric per-token keys' zero level when the keys have no biases and no levels
   bool has_kb, has_kmu, has_vmu, has_vb, has_cmask, has_emask, has_sinks, has_klev, has_vlev;
   int k2_bits, k2_group, v2_bits;  // 0: no second stream
   bool k2_summed;
@@ -1462,6 +1463,7 @@ void CodedDecodeAttention::eval_cpu(const std::vector<array>& inputs, array& out
     codes(pr.k, kw, ks, kb, p.k_tokens_last, p.k_bits, p.k_group, pr.d);
     codes(pr.v, vw, vs, vb, p.v_tokens_last, p.v_bits, p.v_group, pr.dv);
     pr.v.zero = p.v_zero;
+    pr.k.zero = p.k_zero;
     pr.k.set_levels(klev ? klev->data<float>() : nullptr);
     pr.v.set_levels(vlev ? vlev->data<float>() : nullptr);
     if (k2w) {
@@ -1588,7 +1590,7 @@ array coded_decode_attention(const array& q, const array& pk, const array& pv, c
                              const std::optional<std::vector<array>>& tail, const std::optional<std::vector<int>>& tail_layout,
                              float tail_k_zero, float tail_v_zero,
                              const std::optional<std::vector<array>>& key_offset,
-                             const std::optional<std::vector<int>>& offset_layout) {
+                             const std::optional<std::vector<int>>& offset_layout, float k_zero) {
   require(q.dtype() == float32 && q.ndim() == 4, "q must be float32 (B, Hkv, R, d), got " + shape_str(q));
   int B = q.shape(0), H = q.shape(1), R = q.shape(2), d = q.shape(3);
   int64_t G = int64_t(B) * H;
@@ -1630,7 +1632,9 @@ array coded_decode_attention(const array& q, const array& pk, const array& pv, c
     return !l || (l->dtype() == float32 && l->ndim() == 1 && l->shape(0) == (1 << bits));
   };
   require(lev_ok(k_levels, k_bits) && lev_ok(v_levels, v_bits), "levels must be float32 (2**bits,)");
-  require(kb || k_levels, "keys need biases or levels");
+  require(kb || k_levels || k_zero != 0.0f, "keys need biases, levels or a zero level (symmetric codes)");
+  require(k_zero == 0.0f || (!kb && !k_levels && !k_tokens_last),
+          "k_zero: symmetric per-token keys (no biases, no levels, tokens first)");
   // second streams: all of their arrays or none; tokens first, levels given
   const bool has_k2 = k2w || k2s || pk2 || k2_levels;
   const bool has_v2 = v2w || v2_levels;
@@ -1720,7 +1724,7 @@ array coded_decode_attention(const array& q, const array& pk, const array& pv, c
                   shape_str(tu));
     }
   }
-  Params p{k_tokens_last, v_tokens_last, k_bits, k_group, v_bits, v_group, v_zero, bool(kb), bool(kmu), bool(vmu), bool(vb),
+  Params p{k_tokens_last, v_tokens_last, k_bits, k_group, v_bits, v_group, v_zero, k_zero, bool(kb), bool(kmu), bool(vmu), bool(vb),
            bool(cmask), bool(emask), bool(sinks), bool(k_levels), bool(v_levels), has_k2 ? k2_bits : 0,
            k2_summed ? k_group : (has_k2 ? m2 : 0), has_v2 ? v2_bits : 0, k2_summed,
            tail ? (*tail_layout)[0] : 0, tail ? (*tail_layout)[1] : 0, tail ? (*tail_layout)[2] : 0,
@@ -1861,9 +1865,10 @@ NB_MODULE(_coded_attention, m) {
         nb::arg("v2_levels").none() = nb::none(), nb::arg("v2_bits") = 0, nb::arg("spans").none() = nb::none(),
         nb::arg("tail").none() = nb::none(), nb::arg("tail_layout").none() = nb::none(), nb::arg("tail_k_zero") = 0.0f,
         nb::arg("tail_v_zero") = 0.0f, nb::arg("key_offset").none() = nb::none(),
-        nb::arg("offset_layout").none() = nb::none());
+        nb::arg("offset_layout").none() = nb::none(), nb::arg("k_zero") = 0.0f);
   m.attr("reads_tail") = true;  // coded_decode_attention takes a second coded part (kernel.py asks)
   m.attr("reads_key_offset") = true;  // key_offset: keys stored less their rotated mean before RoPE (kernel.py asks)
+  m.attr("reads_key_zero") = true;  // k_zero: symmetric per-token keys as the coded part (kernel.py asks)
   bind_affine_encode(m);
   bind_gather_rows(m);
 }
