@@ -101,10 +101,9 @@ def run_shape(model, info, args, prompt_len, rng):
 
     from veloxquant_mlx.attention import kernel as attention_kernel
 
-    configs = args.baselines + [OURS_LABEL]
+    configs = args.baselines + list(args.makers)
     make = {c: (lambda c=c: baseline_cache(c, model, info["head_dim"])) for c in args.baselines}
-    from mlx_lm.models.cache import make_prompt_cache as mlx_make_prompt_cache
-    make[OURS_LABEL] = lambda: mlx_make_prompt_cache(model)  # what generate / server build: enable's caches
+    make.update(args.makers)  # each preset's model.make_cache: what generate / server build while it is enabled
     key = mx.random.key(args.seed + prompt_len)
     prompt = mx.random.randint(0, info["vocab"], (1, prompt_len), key=key)
     mx.eval(prompt)
@@ -208,7 +207,8 @@ def print_shape_table(info, res, args):
           f"head_dim {info['head_dim']}, "
           f"{info['layers']} layers [{kinds}], weights {info['weights']}, vocab {info['vocab']}): "
           f"{res['prompt']}-token prompt (chunks of {args.chunk}), {args.repeats} x {args.decode} decode steps/tokens")
-    head = f"  {'config':8s} {'prefill':>8s} {'x kv [95% boot]':>22s}"
+    w = max(8, *(len(r["config"]) for r in rows))
+    head = f"  {'config':{w}s} {'prefill':>8s} {'x kv [95% boot]':>22s}"
     if "step" in args.loop_list:
         head += f" {'step tok/s':>10s} {'x kv [95% boot]':>22s}"
     if "mlx_lm" in args.loop_list:
@@ -216,14 +216,14 @@ def print_shape_table(info, res, args):
             (f"{'x kv [95% boot]':>22s}" if getattr(args, "mlx_lm_paired", True) else f"{'x kv [min, max]':>22s}")
     print(head + f" {'cache MiB':>9s} {'x kv':>6s}")
     for r in rows:
-        line = f"  {r['config']:8s} {r['prefill_tok_s']:8.1f} {_ratio(r.get('prefill_vs_kv'))}"
+        line = f"  {r['config']:{w}s} {r['prefill_tok_s']:8.1f} {_ratio(r.get('prefill_vs_kv'))}"
         if "step" in args.loop_list:
             line += f" {r['step_tok_s']:10.2f} {_ratio(r.get('step_vs_kv'))}"
         if "mlx_lm" in args.loop_list:
             line += f" {r['mlx_lm_tok_s']:12.2f} {_ratio(r.get('mlx_lm_vs_kv'))}"
         print(line + f" {r['cache_bytes'] / 2**20:9.2f} {r['cache_vs_kv']:6.3f}")
     p, d = res["kernel_calls_prefill"], res["kernel_calls_decode"]
-    print(f"  kernel calls (vq): prefill {p['kernel']} answered / {p['refused']} refused; decode {d['kernel']} "
+    print(f"  kernel calls (ours): prefill {p['kernel']} answered / {p['refused']} refused; decode {d['kernel']} "
           f"answered / {d['refused']} refused" + (f"; refusals: {d['refusals']}" if d["refusals"] else ""))
 
 

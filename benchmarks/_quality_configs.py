@@ -229,6 +229,11 @@ OURS = {
                                           rope_offset=True) for b in (4, 3, 2) for g in (32, 64)},
     # issue 54's default question: the budget layout at 5-bit keys, 4-bit values (<= 5.0 bits from 512 tokens)
     "tq-k5v4": _options_dict(preset("tq-4b"), k_bits=5),
+    # issue 54's item 3, inside each budget as shipped (token_lloyd8): no exact sink token ("-s0"); the same bytes
+    # split otherwise between keys and values ("-kKvV")
+    **{f"tq{b}-s0": _options_dict(preset(f"tq-{b}b"), sink=0) for b in (4, 3, 2)},
+    **{f"tq{b}-k{k}v{v}": _options_dict(preset(f"tq-{b}b"), k_bits=k, v_bits=v)
+       for b, k, v in ((4, 5, 3), (4, 3, 5), (3, 4, 2), (3, 2, 4))},
     # ... where its KL comes from: values or keys at 8 bits (over the budget: a diagnosis)
     "tq4-ks32-ro-v8": _preset_variant("tq-4b", codec=_token_layout(32), group_size=None, code_batch=1,
                                       rope_offset=True, v_bits=8),

@@ -210,6 +210,8 @@ def merge(runs, drop=()):
             if out["needle"] is None:
                 out["needle"] = {"corpus": r["needle"]["corpus"], "lengths": [], "results": {}}
             out["needle"]["lengths"] = sorted(set(out["needle"]["lengths"]) | set(r["needle"]["lengths"]))
+            if r["needle"].get("depths"):
+                out["needle"]["depths"] = sorted(set(out["needle"].get("depths", [])) | set(r["needle"]["depths"]))
             for name, n in r["needle"]["results"].items():  # the same config at other lengths: add the cases up
                 acc = out["needle"]["results"].setdefault(name, {"passed": 0, "total": 0})
                 acc["passed"] += n["passed"]

@@ -70,6 +70,10 @@ routing function (one Python call per layer and step) on their way to mlx_lm's a
 
     python benchmarks/e2e_speed.py --shape all --prompt 4096 --repeats 3            # -> results/e2e_shapes.json
     python benchmarks/e2e_speed.py --shape gemma-3-1b,phi-3-mini --prompt 4096,8192 --layers 4
+    python benchmarks/e2e_speed.py --shape all --prompt 4096,8192 --baselines kv --preset tq-4b,tq-3b,tq-2b
+
+``--preset A,B,...``: each preset's caches in the same loop (the model enabled with each in turn, its
+``make_cache`` kept: what mlx_lm builds while that preset is on), labelled by name; one preset is labelled ``vq``.
 
 ``--gen 16,24,48,256``: short generations through mlx_lm's ``generate_step`` (the real ``--model``, or each
 ``--shape``): per repeat, FRESH caches for every config, each prefilled with the ``--prompt`` tokens but the last as
@@ -152,7 +156,8 @@ def main(argv=None):
     ap.add_argument("--baselines", default="kv,mlx-q8,mlx-q4",
                     help="--shape / --gen: mlx_lm caches beside ours, comma list of kv (required), mlx-q8, mlx-q4")
     ap.add_argument("--preset", default=None, help="--shape / --gen: enable(model, PRESET) (default: enable's own "
-                    "default, tq-affine-k8v4)")
+                    "default, tq-affine-k8v4); a comma list measures each preset's caches in the same loop, "
+                    "labelled by name (one preset: 'vq')")
     ap.add_argument("--gen-free", action="store_true",
                     help="--gen: free-running generate_step calls (its pipelining kept), the configs one after another "
                          "per repeat and length, each after a fresh prefill, instead of generators taking turns a "
@@ -340,13 +345,20 @@ def main_enabled(args):
         raise ValueError("--gen lengths must be >= 2 (decode speed is read between token 1 and token n)")
     mode = "gen" if args.gen_list else "shape"
     out_path = args.out or f"results/e2e_{'gen' if mode == 'gen' else 'shapes'}.json"
-    options = () if args.preset is None else (args.preset,)
     from veloxquant_mlx.cache.presets import DEFAULT_NAME
 
-    preset_name = args.preset or DEFAULT_NAME
+    presets = [p for p in (args.preset or "").split(",") if p] or [None]
+    if len(set(presets)) != len(presets):
+        raise ValueError(f"--preset: each preset once, got {args.preset!r}")
+    # one preset: its caches are 'vq' in the tables; several: each preset's caches under its own name
+    args.ours = {OURS_LABEL: presets[0]} if len(presets) == 1 else {p: p for p in presets}
+    bad = [c for c in args.ours if c in args.baselines]
+    if bad:
+        raise ValueError(f"--preset: {bad} clash with --baselines {args.baselines}")
+    preset_name = ",".join(p or DEFAULT_NAME for p in presets)
     print(f"{_common.environment()}; attention on codes: {attention_kernel.status()[1]}; "
-          f"ours ('{OURS_LABEL}'): veloxquant_mlx.enable(model{', ' + repr(args.preset) if args.preset else ''}) = "
-          f"{preset_name}", flush=True)
+          f"ours: " + ", ".join(f"'{c}' = veloxquant_mlx.enable(model{', ' + repr(p) if p else ''})"
+                               for c, p in args.ours.items()) + f" = {preset_name}", flush=True)
     if not attention_kernel.status()[0]:
         print("WARNING: attention on codes runs on the pure-MLX reference, not the compiled kernel users get (kernel "
               "calls are then not counted): these figures are not the product's", flush=True)
@@ -374,9 +386,14 @@ def main_enabled(args):
         else:
             model, info = build_shape_model(name, args.layers, args.weights, args.vocab, args.seed)
             ids = None
+        # enabling again only changes the options: each preset's make_cache, kept, builds that preset's caches
+        # (what mlx_lm's make_prompt_cache(model) calls while the preset is on)
+        args.makers = {}
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            vq.enable(model, *options)
+            for label, preset in args.ours.items():
+                vq.enable(model, *(() if preset is None else (preset,)))
+                args.makers[label] = model.make_cache
         info["enable_warnings"] = [str(w.message) for w in caught]
         entry = {"info": info, "runs": []}
         for prompt_len in args.prompt:
@@ -392,10 +409,9 @@ def main_enabled(args):
                     prompt = mx.array(ids[:prompt_len])
                 else:
                     prompt = mx.random.randint(0, info["vocab"], (prompt_len,), key=mx.random.key(args.seed))
-                from mlx_lm.models.cache import make_prompt_cache as mlx_make_prompt_cache
-                configs = args.baselines + [OURS_LABEL]
+                configs = args.baselines + list(args.makers)
                 make = {c: (lambda c=c: baseline_cache(c, model, info["head_dim"])) for c in args.baselines}
-                make[OURS_LABEL] = lambda: mlx_make_prompt_cache(model)
+                make.update(args.makers)
                 calls0 = attention_kernel.calls()
                 # warm-up: first use of every config (kernel check, codec set-up), untimed
                 for c in configs:
@@ -406,7 +422,7 @@ def main_enabled(args):
                 res["prompt"] = prompt_len
                 res["kernel_calls"] = kernel_delta(calls0)
                 k = res["kernel_calls"]
-                print(f"  kernel calls (vq, warm-up included): {k['kernel']} answered / {k['refused']} refused"
+                print(f"  kernel calls (ours, warm-up included): {k['kernel']} answered / {k['refused']} refused"
                       + (f"; refusals: {k['refusals']}" if k["refusals"] else ""))
             res["seconds"] = time.perf_counter() - t0
             entry["runs"].append(res)

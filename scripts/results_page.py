@@ -42,9 +42,10 @@ BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 SOURCES = {
     "demo.json": ("every method on one perplexity slice of SmolLM2 (the README's table)",
                   "veloxquant demo --out results/demo.json"),
-    "quality.json": ("perplexity / KL per corpus and context, passkey",
-                     "python benchmarks/quality.py --contexts 512,2048 --windows 1,1 --needle "
-                     "--configs kv,mlx-q8,mlx-q4,tq-affine-k8v4,tq-affine-k4v4,tq-4b,tq-3b,tq-2b --out results/quality.json"),
+    "quality.json": ("perplexity / KL per corpus and context, passkey (the README's first table and plot)",
+                     "python benchmarks/quality.py --contexts 2048,4096 --windows 1,1 --needle "
+                     "--bits-lengths 512,2048,4096 --configs kv,mlx-q8,mlx-q4,tq-affine-k8v4,tq-4b,tq-3b,tq-2b "
+                     "--out results/quality.json"),
     "e2e_speed.json": ("prefill / decode speed and peak memory at a long prompt",
                        "python benchmarks/e2e_speed.py --out results/e2e_speed.json"),
     "memory.json": ("peak memory of a long prefill + decode through mlx_lm",
@@ -188,9 +189,78 @@ def gemma_rows(quality: Optional[dict], lc: Optional[dict]) -> Tuple[List[str], 
     return head, [[label.get(n, f"`{n}`")] + rows[n] for n in names if any(x != "-" for x in rows[n])]
 
 
-def readme_block(demo: dict, e2e: Optional[dict], when: str, gemma_quality: Optional[dict] = None,
-                 long_context: Optional[dict] = None) -> str:
-    """The README's results table (and its plot), between the markers."""
+def quality_headline(q: dict, e2e: Optional[dict]) -> Tuple[List[str], List[List[str]]]:
+    """The README's first table from a quality.py JSON (issue 54's picture): per headline cache the bits at each
+    context (`measure_bits` at that length, else the evaluated cache's), KL per corpus and context, passkey, and the
+    paired decode ratio of e2e_speed.json."""
+    corpora = q.get("corpora", {})
+    ctxs = sorted({c for per in corpora.values() for c in per.get("ppl", {})}, key=int)
+    present = [n for per in corpora.values() for c in ctxs for n in per["ppl"].get(c, {})]
+    names = headline_names(list(dict.fromkeys(present)))
+    needle = (q.get("needle") or {}).get("results") or {}
+    speed = {r["name"]: r for r in speed_rows(e2e)} if e2e else {}
+    head = ["cache"] + [f"bits @{c}" for c in ctxs]
+    head += [f"KL {CORPUS_NAMES.get(corpus, corpus)} @{c}" for corpus in corpora for c in ctxs]
+    if needle:
+        head.append("passkey")
+    if e2e:
+        head.append(f"decode x plain @{e2e.get('prompt')}")
+    rows = []
+    for n in names:
+        label = {PLAIN: "mlx_lm plain", "mlx-q8": "mlx_lm 8-bit", "mlx-q4": "mlx_lm 4-bit"}.get(
+            n, f"`{n}`" + (" (default)" if n == DEFAULT_NAME else ""))
+        row = [label]
+        for c in ctxs:
+            b = ((q.get("bits") or {}).get(n) or {}).get("bits", {}).get(c)
+            if b is None:
+                r = next((per["ppl"].get(c, {}).get(n) for per in corpora.values() if n in per["ppl"].get(c, {})), None)
+                b = None if r is None else r["memory"]["bits_per_coordinate"]
+            row.append(_f(b, ".2f", "-"))
+        for per in corpora.values():
+            for c in ctxs:
+                r = per["ppl"].get(c, {}).get(n)
+                row.append("-" if r is None else f"{r['kl']:.4f}")
+        if needle:
+            v = needle.get(n)
+            row.append("-" if v is None else f"{v['passed']}/{v['total']}")
+        if e2e:
+            row.append(_f(speed.get(n, {}).get("decode_vs_kv"), ".2f") + ("x" if n in speed else ""))
+        rows.append(row)
+    return head, rows
+
+
+def _passkey_sentence(needle: dict) -> str:
+    """How the passkey column was measured (empty without results)."""
+    if not needle.get("results"):
+        return ""
+    lengths = ", ".join(str(n) for n in needle.get("lengths", []))
+    depths = " / ".join(f"{100 * x:g}" for x in needle.get("depths") or [])
+    corpus = CORPUS_NAMES.get(needle.get("corpus"), needle.get("corpus", "?"))
+    return (f" Passkey: retrieved / cases (prompts of {lengths} tokens, "
+            + (f"the key at {depths} % depth, " if depths else "") + f"{corpus} filler).")
+
+
+def readme_block(demo: Optional[dict], e2e: Optional[dict], when: str, gemma_quality: Optional[dict] = None,
+                 long_context: Optional[dict] = None, quality: Optional[dict] = None,
+                 quality_when: str = "") -> str:
+    """The README's results table (and its plot), between the markers: from quality.json when it has the headline
+    caches (KL on two corpora at each context), else from the demo's one slice."""
+    if quality and quality_headline(quality, e2e)[1]:
+        head, rows = quality_headline(quality, e2e)
+        needle = quality.get("needle") or {}
+        lines = [BEGIN,
+                 f"`benchmarks/quality.py` ({quality_when}; the embedded SmolLM2-135M in float32, held-out text of "
+                 "two corpora, one window per context, chunked prefill, every cache against mlx_lm's plain one in "
+                 "lockstep), tabled by `" + COMMAND + "`. Bits: every stored byte (`measure_bits`) of the cache "
+                 "holding that many tokens. KL: nats per token against the plain cache."
+                 + _passkey_sentence(needle)
+                 + (f" Decode: paired steps against the plain cache at a {e2e.get('prompt')}-token prompt "
+                    f"(`benchmarks/e2e_speed.py`, {e2e.get('machine', 'machine not recorded')})." if e2e else
+                    f" Paired decode speed: `{SOURCES['e2e_speed.json'][1]}`.")
+                 + " Commands and every figure: [docs/results.md](docs/results.md).",
+                 "", table(head, rows), "",
+                 "![KL against bits, both corpora, each context](docs/results-kl-bits-quality.svg)"]
+        return _with_gemma(lines, gemma_quality, long_context)
     names = headline_names(list(demo_presets(demo)))
     speed = {r["name"]: r for r in speed_rows(e2e)} if e2e else {}
     ctx = demo.get("context")
@@ -218,6 +288,10 @@ def readme_block(demo: dict, e2e: Optional[dict], when: str, gemma_quality: Opti
              + " More: [docs/results.md](docs/results.md).",
              "", table(head, rows), "",
              "![KL against bits per coordinate](docs/results-kl-bits.svg)"]
+    return _with_gemma(lines, gemma_quality, long_context)
+
+
+def _with_gemma(lines: List[str], gemma_quality: Optional[dict], long_context: Optional[dict]) -> str:
     if gemma_quality or long_context:
         g_head, g_rows = gemma_rows(gemma_quality, long_context)
         lines += ["", "Gemma 3 270M (the embedded GGUF in float32; 15 of its 18 layers a 512-token sliding window): KL "
@@ -420,14 +494,19 @@ def generate(results: Path, docs: Path, readme: Optional[Path]) -> List[Path]:
     (docs / "results.md").write_text(page(found, results, links), encoding="utf-8")
     written.append(docs / "results.md")
     if readme is not None:
-        if "demo.json" in found:
-            block = readme_block(found["demo.json"], found.get("e2e_speed.json"), stamp(results, "demo.json"),
-                                 found.get("quality_gemma.json"), found.get("long_context.json"))
+        quality = found.get("quality.json")
+        if quality is not None and not quality_headline(quality, None)[1]:
+            quality = None  # a run without the headline caches: the demo's table
+        if "demo.json" in found or quality is not None:
+            block = readme_block(found.get("demo.json"), found.get("e2e_speed.json"),
+                                 stamp(results, "demo.json") if "demo.json" in found else "",
+                                 found.get("quality_gemma.json"), found.get("long_context.json"), quality,
+                                 stamp(results, "quality.json") if quality is not None else "")
             if update_readme(readme, block):
                 written.append(readme)
         else:
-            print(f"results_page: no {results / 'demo.json'}: {readme} left as it is "
-                  f"(make it: {SOURCES['demo.json'][1]})", file=sys.stderr)
+            print(f"results_page: no {results / 'demo.json'} nor {results / 'quality.json'}: {readme} left as it "
+                  f"is (make them: {SOURCES['demo.json'][1]}; {SOURCES['quality.json'][1]})", file=sys.stderr)
     return written
 
 

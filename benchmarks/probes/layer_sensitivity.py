@@ -94,7 +94,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1219, help="tokens of each text measured (one window)")
     ap.add_argument("--bits", type=int, default=3, help="the one layer side's bits when measuring")
     ap.add_argument("--calibration", default="results/smollm2_calibration.safetensors",
-                    help="channel weights (made from the default calibration text when missing)")
+                    help="channel weights (made from the default calibration text when missing; none: without)")
     ap.add_argument("--screen", action="store_true", help="also screen the exchanged bits on both corpora")
     ap.add_argument("--screen-presets", default="tq-4b,tq-3b")
     ap.add_argument("--context", type=int, default=513)
@@ -115,12 +115,15 @@ def main() -> None:
                            description="--smoke: the tiny model's 16-token answers to DEFAULT_PROMPTS")
     else:
         model, tok = load_model("smollm2")
-        if os.path.exists(args.calibration):
+        if args.calibration == "none":  # the layouts as shipped: no channel weights (issue 54's token_lloyd8)
+            cal = None
+        elif os.path.exists(args.calibration):
             cal = vq.Calibration.load(args.calibration, model)
         else:
             cal = vq.calibrate(model, tokenizer=tok)
             cal.save(args.calibration)
-    out = {"preset": args.preset, "bits": args.bits, "calibration": cal.metadata(), "sensitivity": {}}
+    out = {"preset": args.preset, "bits": args.bits, "calibration": cal.metadata() if cal else None,
+           "sensitivity": {}}
     for text in args.texts.split(","):
         t0 = time.time()
         if text == "calibration":
@@ -141,9 +144,12 @@ def main() -> None:
             p = PRESETS[name]
             kb, vb = allocate(s["keys"], s["values"], p.k_bits, args.bits)
             out.setdefault("allocations", {})[name] = {"k_bits": kb, "v_bits": vb}
-            specs += [with_calibration(compressed_spec(name, p), cal, "+cal"),
-                      with_calibration(compressed_spec(name, dataclasses.replace(p, k_bits=kb, v_bits=vb)), cal,
-                                       "+cal+moved")]
+            moved = compressed_spec(name, dataclasses.replace(p, k_bits=kb, v_bits=vb))
+            if cal is None:
+                specs += [compressed_spec(name, p), dataclasses.replace(moved, name=f"{name}+moved")]
+            else:
+                specs += [with_calibration(compressed_spec(name, p), cal, "+cal"),
+                          with_calibration(moved, cal, "+cal+moved")]
         out["screen"] = {}
         for corpus in ("debian-reference", "kjv"):
             res = perplexity_eval(model, corpus_tokens(tok, corpus), specs, args.context, args.windows, progress=False)

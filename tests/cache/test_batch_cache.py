@@ -47,6 +47,25 @@ def test_batch_cache_holds_exactly_what_each_sequence_holds_alone(name):
         _states_equal(batch.extract(i), c)
 
 
+@pytest.mark.parametrize("lengths", [(60, 60, 60), (60, 31, 90)])
+@pytest.mark.parametrize("name", ["token_lloyd8-k4v4", "token_lloyd8-k4v4-ro"])
+def test_a_batch_codes_each_decode_token_of_every_row_in_one_call(name, lengths, monkeypatch):
+    """Per-token codes coded on arrival: a batch's decode step codes every row's token in one encode and writes each
+    at its row's next slot (rows at the same count: one write), holding what each row holds alone, bit for bit."""
+    from veloxquant_mlx.quant.slot_store import SlotStore
+
+    starts, original = [], SlotStore.write_rows
+    monkeypatch.setattr(SlotStore, "write_rows",
+                        lambda self, s, codes, rows: (starts.append(list(s)), original(self, s, codes, rows))[1])
+    alone, batch, diffs = _run_cache_level(CONFIGS[name], lengths, decode_steps=12)
+    assert max(diffs) < 1e-5, diffs
+    for i, c in enumerate(alone):
+        _states_equal(batch.extract(i), c)
+    assert len(starts) == 2 * 12  # keys and values of every decode step, none through the tail
+    assert all((min(s) == max(s)) == (len(set(lengths)) == 1) for s in starts)
+    assert starts[-1] == [n + 11 - 1 for n in lengths]  # sink (1) out; the 12th token's slot
+
+
 @pytest.mark.parametrize("name", ["kblock_vsym8_pt-k4v4", "kblock_vsym8_pt-k4v4-centred",
                                   "kblock_vsym8_pt-k4v4-centred-ro"])
 def test_a_coded_tail_is_exact_until_some_row_codes_a_block(name):

@@ -38,10 +38,16 @@ DEMO = {"prompt": "What is the capital of France?", "context": 513, "attention_p
             "tq-4b": {"ppl": _ppl(21.57, 0.07, 0.01203, 4.24, 2.99), "decode_tokens_per_s": 14.4,
                       "answer": "The capital | of France is Paris."},
         }}
-QUALITY = {"model": "smollm2", "command": "benchmarks/quality.py --contexts 512", "configs": {},
-           "corpora": {"debian": {"tokens": 99999, "ppl": {"512": {"kv": _ppl(20.0, 0.0, 0.0, 32.0, 1.0),
-                                                                   "tq-4b": _ppl(20.2, 0.2, 0.0111, 4.31, 0.2)}}}},
-           "needle": {"corpus": "debian", "lengths": [1024], "results": {"tq-4b": {"passed": 3, "total": 3}}}}
+QUALITY = {"model": "smollm2", "command": "benchmarks/quality.py --contexts 2048,4096", "configs": {},
+           "bits": {"kv": {"bits": {"2048": 32.0, "4096": 32.0}}, "tq-4b": {"bits": {"2048": 4.14, "4096": 4.13}},
+                    "mlx-q8": {"bits": {"2048": 9.0}}},
+           "corpora": {c: {"tokens": 99999, "ppl": {
+               "2048": {"kv": _ppl(20.0, 0.0, 0.0, 32.0, 1.0), "mlx-q8": _ppl(20.0, 0.0, kl8, 9.0, 1.0),
+                        DEFAULT_NAME: _ppl(20.1, 0.1, kld, 7.31, 1.0), "tq-4b": _ppl(20.2, 0.2, kl4, 4.31, 0.2)},
+               "4096": {"kv": _ppl(19.0, 0.0, 0.0, 32.0, 1.0), "tq-4b": _ppl(19.2, 0.2, kl4 / 2, 4.29, 0.2)}}}
+               for c, kl8, kld, kl4 in (("debian-reference", 0.0003, 0.0033, 0.0111), ("kjv", 0.0004, 0.0174, 0.0395))},
+           "needle": {"corpus": "debian-reference", "lengths": [1024], "depths": [0.1, 0.5, 0.9],
+                      "results": {"tq-4b": {"passed": 3, "total": 3}}}}
 E2E = {"model": "smollm2", "prompt": 4096, "chunk": 512, "decode": 64, "fill": "prefill", "repeats": 3,
        "machine": "test CPU, 2 cores", "blas": "OpenBLAS", "attention_path": "compiled kernel (test)",
        "rows": [{"config": "kv", "prefill_tok_s": 900.0, "prefill_vs_kv": 1.0, "peak_mib": 700.0, "cache_mib": 96.0,
@@ -124,7 +130,7 @@ def test_page_plots_and_readme_from_every_json(folders):
         assert f"| {p['memory']['bits_per_coordinate']:.2f} | {p['memory']['mib_total']:.2f} |" in row
         assert f"| {p['kl']:.4f} |" in row and f"| {r['decode_tokens_per_s']:.1f} |" in row
     assert "The capital \\| of France is Paris." in page  # a | in an answer does not break the table
-    assert "| tq-4b | 4.31 | +0.200 | 0.0111 |" in page and "tq-4b 3/3" in page  # quality.json
+    assert "| tq-4b | 4.31 | +0.200 | 0.0111 | 4.29 | +0.200 | 0.0056 |" in page and "tq-4b 3/3" in page  # quality
     assert "| " + DEFAULT_NAME + " | 12.70 | 1.27 | 1.22 | 620.0 | 19.50 |" in page  # e2e_speed.json
     assert "| kv | 812.5 | 96.00 | 30.0 |" in page  # memory.json
     assert "`results/attention_row_plans.json`" in page  # other JSONs are named, not dropped
@@ -161,17 +167,26 @@ def test_page_plots_and_readme_from_every_json(folders):
     assert "![KL against bits per corpus and context](results-kl-bits-quality_gemma.svg)" in page
     assert "![KL against bits per corpus and context](results-kl-bits-quality.svg)" in page
 
-    # the README: only the block between the markers changes; rows: plain, mlx-q8, mlx-q4, default, budgets present
+    # the README: only the block between the markers changes; its first table is quality.json's (issue 54's
+    # picture): rows plain, mlx-q8, (mlx-q4 absent), default, budgets present; bits and KL per corpus and context
     text = readme.read_text(encoding="utf-8")
     assert text.startswith("# title\n\nintro\n\n<!-- results:begin -->") and text.endswith("<!-- results:end -->\n\nrest\n")
     assert "old table" not in text and "mlx-q2" not in text
     smollm2 = text[: text.index("Gemma 3 270M")]
-    rows = [line for line in smollm2.splitlines() if line.startswith("| ") and not line.startswith("| cache")]
-    assert [r.split(" | ")[0] for r in rows] == ["| mlx_lm plain", "| mlx_lm 8-bit", "| mlx_lm 4-bit",
-                                                 f"| `{DEFAULT_NAME}` (default)", "| `tq-4b`"]
+    head = next(line for line in smollm2.splitlines() if line.startswith("| cache"))
+    assert head == ("| cache | bits @2048 | bits @4096 | KL Debian @2048 | KL Debian @4096 | KL Bible @2048 | "
+                    "KL Bible @4096 | passkey | decode x plain @4096 |")
+    rows = {line.split(" | ")[0]: line for line in smollm2.splitlines()
+            if line.startswith("| ") and not line.startswith("| cache")}
+    assert list(rows) == ["| mlx_lm plain", "| mlx_lm 8-bit", f"| `{DEFAULT_NAME}` (default)", "| `tq-4b`"]
     assert [b for b in BUDGETS if b != "tq-4b"] and not any(b in text for b in BUDGETS if b != "tq-4b")
-    assert rows[3].endswith("| 0.0036 | +0.020 | 13.9 | 1.27x |") and rows[1].endswith("| not measured |")
-    assert "python scripts/results_page.py" in text and "docs/results-kl-bits.svg" in text
+    assert rows["| `tq-4b`"] == "| `tq-4b` | 4.14 | 4.13 | 0.0111 | 0.0056 | 0.0395 | 0.0198 | 3/3 | not measured |"
+    # bits: measure_bits at the length where the run has them, else the evaluated cache's; a context not run: -
+    assert rows[f"| `{DEFAULT_NAME}` (default)"] == (
+        f"| `{DEFAULT_NAME}` (default) | 7.31 | - | 0.0033 | - | 0.0174 | - | - | 1.27x |")
+    assert rows["| mlx_lm 8-bit"].startswith("| mlx_lm 8-bit | 9.00 | - | 0.0003 |")
+    assert "python scripts/results_page.py" in text and "docs/results-kl-bits-quality.svg" in text
+    assert "Passkey: retrieved / cases (prompts of 1024 tokens, the key at 10 / 50 / 90 % depth, Debian filler)" in text
     # the second model's table: KL per corpus and length, bits, and the longest context's bytes and ratios
     gemma = text[text.index("Gemma 3 270M"):]
     head = next(line for line in gemma.splitlines() if line.startswith("| cache"))
@@ -206,6 +221,18 @@ def test_missing_jsons_name_their_commands_and_leave_the_readme(folders):
     assert not list(docs.glob("*.svg"))
     assert readme.read_text(encoding="utf-8") == README  # never replaced by nothing
     assert "left as it is" in done.stderr and "veloxquant demo --out results/demo.json" in done.stderr
+
+
+def test_without_quality_json_the_readme_table_is_the_demo_s(folders):
+    results, docs, readme = folders
+    write(results, demo=DEMO, e2e_speed=E2E, quality={**QUALITY, "corpora": {}})  # a quality run without rows
+    assert run(results, docs, readme).returncode == 0
+    text = readme.read_text(encoding="utf-8")
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| cache")]
+    assert [r.split(" | ")[0] for r in rows] == ["| mlx_lm plain", "| mlx_lm 8-bit", "| mlx_lm 4-bit",
+                                                 f"| `{DEFAULT_NAME}` (default)", "| `tq-4b`"]
+    assert rows[3].endswith("| 0.0036 | +0.020 | 13.9 | 1.27x |") and rows[1].endswith("| not measured |")
+    assert "docs/results-kl-bits.svg" in text
 
 
 def test_demo_alone_gives_the_table_without_a_speed_column(folders):

@@ -271,6 +271,18 @@ class Rows(RowViews):
             self.coded[0] += 1
             self.lengths[0] += 1
             return
+        if lead is None and T == 1 and self.code_step == 1 and self.block == 1 and self.B > 1 and all(self.coded) \
+                and not any(self.tail_n) and not (o.recent or self.window) and min(self.sink_n) >= o.sink \
+                and all(self.fitted) and self._codes_need_no_row():
+            # ... of a batch: every row's token coded in one call (codes depend on no row's fitted arrays) and
+            # written at each row's next slot, instead of one encode per row through the tail
+            if self.rope is not None:
+                keys = self._less_step_offset(keys)
+            self.k_codes.write_rows(self.coded, self.base[0].encode(keys), self.B)
+            self.v_codes.write_rows(self.coded, self.base[1].encode(values), self.B)
+            self.coded = [c + 1 for c in self.coded]
+            self.lengths = [n + 1 for n in self.lengths]
+            return
         if lead is None and T == 1 and self.code_step > 1 and self.B and min(self.sink_n) >= o.sink \
                 and not self.window and ((self.block > 1 and not self.fits_on_arrival) or all(self.fitted)):
             # (per-token codecs, and a tail coded on the keys' mean, fit on arrival)
@@ -311,6 +323,15 @@ class Rows(RowViews):
         self.lengths = [n + r for n, r in zip(self.lengths, real)]
         if self.window:  # ... and max_size after a one-token update
             self.evict([self.window[0] if r == 1 else None for r in real])
+
+    def _codes_need_no_row(self) -> bool:
+        """Whether a token's codes are the same whichever row's codec codes it: no fitted array the encoding reads
+        (``rope_mean`` is subtracted before encoding, by the cache)."""
+        memo = getattr(self, "_rowless", None)
+        if memo is None:
+            memo = self._rowless = not (set(self.base[0].blank_fitted(1)) - {"rope_mean"}
+                                        or self.base[1].blank_fitted(1))
+        return memo
 
     def _fill_sink(self, keys, values, lead, s) -> None:
         """Row r's next ``s[r]`` real tokens (chunk positions from ``lead[r]``) join its sink: one gather."""

@@ -193,6 +193,20 @@ class SlotStore:
         for f, a in codes.items():
             self.arrays[f][self._index(f, start, start + n, row)] = a
 
+    def write_rows(self, starts: Sequence[int], codes: Dict[str, mx.array], rows: int) -> None:
+        """Row r's slots from ``starts[r]`` get row r of ``codes`` (every row, the same number of tokens; one
+        write when the rows start together)."""
+        n = self.n_tokens(codes)
+        self.reserve(rows, max(starts) + n)
+        self._views = {}
+        if min(starts) == max(starts):
+            for f, a in codes.items():
+                self.arrays[f][self._index(f, starts[0], starts[0] + n)] = a
+            return
+        for f, a in codes.items():
+            for r, start in enumerate(starts):
+                self.arrays[f][self._index(f, start, start + n, r)] = a[r:r + 1]
+
     def _splice(self, start: int, stop: int, end: int, spare: int) -> None:
         """Slots ``[0, start)`` then ``[stop, end)``, then ``spare`` zero slots: one copy, in memory of their own."""
         pieces = [self.slice_tokens(self.arrays, 0, start)] if start else []
