@@ -96,7 +96,7 @@ rest
 
 def run(results: Path, docs: Path, readme: Path):
     return subprocess.run([sys.executable, str(SCRIPT), "--results", str(results), "--docs", str(docs),
-                           "--readme", str(readme)], capture_output=True, text=True, cwd=ROOT, timeout=120)
+                           "--readme", str(readme)], capture_output=True, text=True, cwd=ROOT, timeout=600)
 
 
 @pytest.fixture
