@@ -57,11 +57,13 @@ from veloxquant_mlx.apps.eval.corpus import CORPORA, DEFAULT_CORPUS  # noqa: E40
 from veloxquant_mlx.apps.eval.memory import REPORT_LENGTHS, measure_bits, model_kv_shape  # noqa: E402
 from veloxquant_mlx.apps.eval.specs import CONFIGURATIONS, compressed_spec, with_calibration  # noqa: E402
 from veloxquant_mlx.cache.options import CacheOptions  # noqa: E402
+from veloxquant_mlx.cache.presets import preset  # noqa: E402
 from veloxquant_mlx.apps.models.loader import load_model  # noqa: E402
 
 # The research configurations (name -> make_prompt_cache options) live in _quality_configs.py.
 from _quality_configs import OURS  # noqa: E402
 from _prerope import pre_rope_caches  # noqa: E402
+from _fake_codes import VARIANTS as FAKE_VARIANTS, fake_caches  # noqa: E402
 # The tables and the plot written after a run live in _quality_tables.py.
 from _quality_tables import markdown, merge, plot, text_table  # noqa: E402
 
@@ -92,6 +94,8 @@ def make_specs(names, calibration=None):
         elif name.partition(":")[0] in LAYER_KINDS and ":" in name:  # issue 55: one layer kind coded
             kind, _, inner = name.partition(":")
             specs.append(_layer_kind_spec(name, make_specs([inner], calibration)[0], kind))
+        elif name.startswith("fq-b"):  # issue 54's RoPE-pair lever, before it is built (benchmarks/_fake_codes.py)
+            specs.append(_fake_spec(name, calibration))
         elif name.split("-", 1)[0] in PROBES and "-" in name:  # issue 47's key probes (benchmarks/_prerope.py)
             prefix, inner = name.split("-", 1)
             specs.append(_pre_rope_spec(name, make_specs([inner], calibration)[0], *PROBES[prefix]))
@@ -179,6 +183,25 @@ def _pre_rope_spec(name, spec, pre_rope=True, unrotated=False, offset=False):
     what = " and ".join(w for w, on in (("keys stored before RoPE", pre_rope), ("key rotation out", unrotated),
                                         ("the keys' RoPE'd pre-RoPE mean out", offset)) if on)
     return CacheSpec(name, make, "veloxquant", None, f"{spec.description}; {what} (probe)", options=spec.options)
+
+
+def _fake_spec(name, calibration):
+    """``fq-bB`` / ``fq-bB-g32`` / ``fq-bB-pairs`` / ``fq-bB-pairs-probe``: the budget preset's codes decoded on
+    arrival, its key scales per 32 coordinates, or the RoPE-pair split, pairs chosen on calibration text or on the
+    key-rotation probe's ids (`_fake_codes`); bits from the real layout of the same bytes."""
+    bits, _, variant = name[len("fq-b"):].partition("-")
+    variant = f"-{variant}" if variant else ""
+    if bits not in ("2", "3", "4") or variant not in FAKE_VARIANTS:
+        raise SystemExit(f"unknown config {name!r}: fq-bB[{'|'.join(v for v in FAKE_VARIANTS if v)}], B in 2, 3, 4")
+    same_bytes = preset(f"tq-{bits}b") if not variant else CacheOptions(**{
+        k: (tuple(v) if isinstance(v, list) else v) for k, v in OURS[f"tq{bits}-kl32-ro"].items()})
+    cal = calibration if variant == "-pairs" else None
+    what = {"": "codes as tq-{b}b's", "-g32": "key scales per 32 coordinates",
+            "-pairs": "the half of the RoPE pairs with the largest E[q^2] Var[k] at {b1} bits, the rest at {b0}",
+            "-pairs-probe": "the RoPE-pair split, pairs chosen on the key-rotation probe's random ids"}
+    return CacheSpec(name, lambda m, b=int(bits), v=variant: fake_caches(m, b, v, cal), "veloxquant", None,
+                     what[variant].format(b=bits, b1=int(bits) + 1, b0=int(bits) - 1) + " (decoded on arrival: probe)",
+                     options=same_bytes)
 
 
 def main(argv=None):

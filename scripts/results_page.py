@@ -47,7 +47,8 @@ SOURCES = {
                      "--bits-lengths 512,2048,4096 --configs kv,mlx-q8,mlx-q4,tq-affine-k8v4,tq-4b,tq-3b,tq-2b "
                      "--out results/quality.json"),
     "e2e_speed.json": ("prefill / decode speed and peak memory at a long prompt",
-                       "python benchmarks/e2e_speed.py --out results/e2e_speed.json"),
+                       "python benchmarks/e2e_speed.py --configs kv,mlx-q8,mlx-q4,tq-affine-k8v4,tq-4b,tq-3b,tq-2b "
+                       "--out results/e2e_speed.json"),
     "memory.json": ("peak memory of a long prefill + decode through mlx_lm",
                     "python benchmarks/memory.py --prompt 4096 --decode 100 --out results/memory.json"),
     "quality_gemma.json": ("Gemma 3 270M: perplexity / KL per corpus at 2048 and 8192 tokens",

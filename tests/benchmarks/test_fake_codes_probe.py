@@ -1,0 +1,88 @@
+"""benchmarks/_fake_codes.py, issue 54's RoPE-pair lever measured before it is built: its codes must be the library's
+codes, its split must give each chosen pair the high bits, and its caches must be the preset's math on arrival."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from veloxquant_mlx.codecs.token_lloyd import TokenLloydCodec
+from veloxquant_mlx.quant.rope import RopeFrame, frame_of, offset_keys
+
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "_fake_codes.py"
+_spec = importlib.util.spec_from_file_location("_fake_codes", _PATH)
+fake = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("_fake_codes", fake)
+_spec.loader.exec_module(fake)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_token_code_is_the_budget_codec_decoded(bits):
+    x = mx.random.normal((1, 3, 20, 64), key=mx.random.key(bits))
+    codec = TokenLloydCodec(64, bits, seed=0, center=False)
+    want = codec.decode(codec.encode(x), mx.float32)
+    assert mx.array_equal(fake.token_code(x, bits, 64, 0), want)
+
+
+def test_pair_channels_puts_the_largest_query_times_key_pairs_first():
+    frame = RopeFrame(8, False, (1.0, 0.1, 0.01, 0.001))  # pairs (j, j + 4)
+    q = mx.array([[1, 1, 9, 1, 1, 1, 9, 1], [5, 1, 1, 1, 5, 1, 1, 1]], dtype=mx.float32)
+    k = mx.ones((2, 8))
+    perm = np.array(fake.pair_channels(q, k, frame, 1))
+    assert list(perm[0, :2]) == [2, 6] and list(perm[1, :2]) == [0, 4]
+    assert all(sorted(p) == list(range(8)) for p in perm)
+    trad = RopeFrame(8, True, (1.0, 0.1, 0.01, 0.001))  # pairs (2j, 2j + 1)
+    q2 = mx.array([[1, 1, 1, 1, 7, 7, 1, 1]], dtype=mx.float32)
+    assert list(np.array(fake.pair_channels(q2, mx.ones((1, 8)), trad, 1))[0, :2]) == [4, 5]
+
+
+def test_split_codes_the_chosen_channels_finer():
+    x = mx.random.normal((1, 2, 200, 64), key=mx.random.key(7))
+    perm = mx.array(np.stack([np.random.default_rng(h).permutation(64) for h in range(2)]).astype(np.int32))
+    y = fake.split_code(x, perm, 5, 2, 0)
+    err = np.array(mx.mean(mx.square(y - x), axis=(0, 2)))  # (heads, d)
+    for h in range(2):
+        p = np.array(perm[h])
+        assert err[h, p[:32]].mean() < err[h, p[32:]].mean() / 4  # 5 bits against 2 on Gaussian coordinates
+
+
+def test_fake_caches_hold_the_offset_codes_and_an_exact_first_token(tiny_model):
+    toks = mx.random.randint(0, 128, (1, 40), key=mx.random.key(2))
+    caches = fake.fake_caches(tiny_model, 4, "")
+    plain = [KVCache() for _ in tiny_model.layers]
+    tiny_model(toks, cache=caches)
+    tiny_model(toks, cache=plain)
+    k, v = (x[:, :, :caches[0].offset] for x in (caches[0].keys, caches[0].values))
+    k0, v0 = (x[:, :, :plain[0].offset] for x in (plain[0].keys, plain[0].values))
+    assert mx.array_equal(k[:, :, :1], k0[:, :, :1]) and mx.array_equal(v[:, :, :1], v0[:, :, :1])
+    attn = tiny_model.layers[0].self_attn
+    d = k0.shape[-1]
+    frame, _ = frame_of(attn.rope, d)
+    off = offset_keys(caches[0].mu, mx.zeros((k0.shape[1],), dtype=mx.int32), k0.shape[2], frame)[None]
+    want = fake.token_code(k0.astype(mx.float32) - off, 4, min(64, d), 0) + off
+    assert float(mx.abs(k[:, :, 1:] - want[:, :, 1:].astype(k.dtype)).max()) < 1e-4
+    assert float(mx.abs(k - k0).max()) > 1e-3  # coded, not passed through
+
+
+def test_pairs_need_a_calibration_and_variants_are_checked(tiny_model):
+    with pytest.raises(ValueError, match="calibration"):
+        fake.fake_caches(tiny_model, 3, "-pairs")
+    with pytest.raises(ValueError, match="variant"):
+        fake.fake_caches(tiny_model, 3, "-nope")
+
+
+def test_pairs_probe_chooses_pairs_without_text_and_codes(tiny_model):
+    toks = mx.random.randint(0, 128, (1, 30), key=mx.random.key(6))
+    caches = fake.fake_caches(tiny_model, 3, "-pairs-probe")
+    plain = [KVCache() for _ in tiny_model.layers]
+    tiny_model(toks, cache=caches)
+    tiny_model(toks, cache=plain)
+    k = caches[1].keys[:, :, 1:caches[1].offset]
+    k0 = plain[1].keys[:, :, 1:plain[1].offset]
+    rel = float(mx.mean(mx.square(k - k0)) / mx.mean(mx.square(k0)))
+    assert 1e-5 < rel < 0.2  # coded (4 / 2 bits), not passed through, not garbage
