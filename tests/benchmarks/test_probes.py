@@ -129,6 +129,15 @@ def test_block_ranges(tmp_path):
     assert rows["own-mse"]["relative_squared_error"] <= rows["own"]["relative_squared_error"]  # (clipping can only help)
 
 
+def test_batch_step(tmp_path):
+    out = run_probe("batch_step", "--out", str(tmp_path / "b.json"))
+    for label in ("plain", "one-call", "per-row"):
+        assert re.search(rf"^{label}\s+{NUMBER}\s+{NUMBER} \[", out, re.M), label
+    data = read_json(tmp_path / "b.json")
+    assert [r["cache"] for r in data["rows"]] == ["plain", "one-call", "per-row"]
+    assert data["same_tokens"] is True  # the shortcut changes the calls, never the codes
+
+
 def test_every_probe_has_a_smoke_test():
     """Every probe in benchmarks/probes/ has its test above, and its docstring (``--help``) says how to smoke it."""
     probes = {p.stem for p in PROBES_DIR.glob("*.py") if not p.name.startswith("_")}
