@@ -51,19 +51,22 @@ def test_split_codes_the_chosen_channels_finer():
         assert err[h, p[:32]].mean() < err[h, p[32:]].mean() / 4  # 5 bits against 2 on Gaussian coordinates
 
 
+def _held(model, bits, variant, n, seed, layer):
+    """``n`` random tokens through the probe's caches and through plain ones: ``layer``'s (keys, values) of each."""
+    toks = mx.random.randint(0, 128, (1, n), key=mx.random.key(seed))
+    caches, plain = fake.fake_caches(model, bits, variant), [KVCache() for _ in model.layers]
+    model(toks, cache=caches)
+    model(toks, cache=plain)
+    return caches[layer], [tuple(x[:, :, :c.offset] for x in (c.keys, c.values)) for c in (caches[layer], plain[layer])]
+
+
 def test_fake_caches_hold_the_offset_codes_and_an_exact_first_token(tiny_model):
-    toks = mx.random.randint(0, 128, (1, 40), key=mx.random.key(2))
-    caches = fake.fake_caches(tiny_model, 4, "")
-    plain = [KVCache() for _ in tiny_model.layers]
-    tiny_model(toks, cache=caches)
-    tiny_model(toks, cache=plain)
-    k, v = (x[:, :, :caches[0].offset] for x in (caches[0].keys, caches[0].values))
-    k0, v0 = (x[:, :, :plain[0].offset] for x in (plain[0].keys, plain[0].values))
+    cache, ((k, v), (k0, v0)) = _held(tiny_model, 4, "", 40, 2, 0)
     assert mx.array_equal(k[:, :, :1], k0[:, :, :1]) and mx.array_equal(v[:, :, :1], v0[:, :, :1])
     attn = tiny_model.layers[0].self_attn
     d = k0.shape[-1]
     frame, _ = frame_of(attn.rope, d)
-    off = offset_keys(caches[0].mu, mx.zeros((k0.shape[1],), dtype=mx.int32), k0.shape[2], frame)[None]
+    off = offset_keys(cache.mu, mx.zeros((k0.shape[1],), dtype=mx.int32), k0.shape[2], frame)[None]
     want = fake.token_code(k0.astype(mx.float32) - off, 4, min(64, d), 0) + off
     assert float(mx.abs(k[:, :, 1:] - want[:, :, 1:].astype(k.dtype)).max()) < 1e-4
     assert float(mx.abs(k - k0).max()) > 1e-3  # coded, not passed through
@@ -77,12 +80,7 @@ def test_pairs_need_a_calibration_and_variants_are_checked(tiny_model):
 
 
 def test_pairs_probe_chooses_pairs_without_text_and_codes(tiny_model):
-    toks = mx.random.randint(0, 128, (1, 30), key=mx.random.key(6))
-    caches = fake.fake_caches(tiny_model, 3, "-pairs-probe")
-    plain = [KVCache() for _ in tiny_model.layers]
-    tiny_model(toks, cache=caches)
-    tiny_model(toks, cache=plain)
-    k = caches[1].keys[:, :, 1:caches[1].offset]
-    k0 = plain[1].keys[:, :, 1:plain[1].offset]
+    _, ((k, _), (k0, _)) = _held(tiny_model, 3, "-pairs-probe", 30, 6, 1)
+    k, k0 = k[:, :, 1:], k0[:, :, 1:]
     rel = float(mx.mean(mx.square(k - k0)) / mx.mean(mx.square(k0)))
     assert 1e-5 < rel < 0.2  # coded (4 / 2 bits), not passed through, not garbage
