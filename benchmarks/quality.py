@@ -26,6 +26,11 @@ Issue 47's key probes wrap one of our configurations (``benchmarks/_prerope.py``
 decoded history, so no speed): ``pre-NAME`` stores its keys before RoPE, ``nr-NAME`` without its key rotation,
 ``prenr-NAME`` both (``--configs pre-tq4-ptc1,nr-tq-4b``); ``off-NAME`` codes ``k_t - R_t mu`` after RoPE (issue 54).
 
+Issue 54's fake-code probe (``benchmarks/_fake_codes.py``; full-attention models; codes applied on arrival and
+decoded at once, so no speed): ``fq-bB`` is ``tq-Bb``'s arithmetic, ``fq-bB-g32`` its key scales per 32 coordinates,
+``fq-bB-pairs`` (needs ``--calibration``) / ``fq-bB-pairs-probe`` the same bytes with half the RoPE pairs at B + 1
+bits and half at B - 1 (``--configs kv,fq-b4,fq-b4-g32,fq-b4-pairs --calibration FILE``).
+
 The CPU build of MLX is slow in float16: the model runs in float32 (mlx_lm's plain cache then stores
 float32, and our exact windows are float32 too, which the byte counts include).
 """
