@@ -127,6 +127,6 @@ def test_unpickled_codebooks_read_their_own_levels_when_ids_are_reused(monkeypat
             del cb
             gc.collect()
 
-    read_in_turn(60)  # addresses as CPython reuses them
+    read_in_turn(15)  # addresses as CPython reuses them (each turn a full gc: ~0.25 s)
     monkeypatch.setattr(codebooks, "id", lambda obj: 0, raising=False)  # every address the same
     read_in_turn(6)
