@@ -13,17 +13,24 @@ text that is none of the evaluation corpora): with the rotated code's error spre
 codes, the expected squared score error of a half is its share of the key variance times its share of the query
 power, so bits go where that product is large. ``fq-bB-pairs-probe``: the same, the statistics measured on the
 builder's key-rotation probe instead (`PROBE_TOKENS` pseudo-random token ids, no text: what an uncalibrated preset
-could use).
+could use). ``fq-bB-rd`` / ``fq-bB-pairs-rd``: the same layouts with each rotated token coded at the Shannon bound
+instead of by Lloyd-Max levels -- the Gaussian test channel at B code bits per coordinate (mean squared error
+``s^2 2^(-2B)``, ``s^2`` the token's mean square, known exactly): what any vector or trellis code of the rotated
+coordinates at the same code bits could at best approach, to judge whether a better quantizer can reach a KL goal.
 
-Stored bytes are the real layouts' (``options`` of the equal-bytes configuration) plus one static permutation per
-layer and head for the split; attention runs on the decoded keys (mlx_lm's plain cache), so no speed.
+The layers the preset codes per token (``token_lloyd8``) get the probe's codes at that layer's key and value bits (B
+where the preset is uniform; Gemma 3's window layers 5-bit keys); layers of another layout (Gemma 3's full-attention
+block keys) keep the preset's own cache. Stored bytes are the real layouts' (``options`` of the equal-bytes
+configuration) plus one static permutation per layer and head for the split; attention runs on the decoded keys
+(mlx_lm's plain caches, sliding windows kept), so no speed.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from veloxquant_mlx.codecs.affine_sym_log import decode_log_scales
 from veloxquant_mlx.codecs.token_lloyd import gaussian_levels, reference_level_log_encode
@@ -43,10 +50,23 @@ def lloyd_roundtrip(y: mx.array, bits: int, group: int) -> mx.array:
     return x.reshape(q.shape)
 
 
-def token_code(x: mx.array, bits: int, group: int, seed: int) -> mx.array:
+def shannon_roundtrip(y: mx.array, bits: int, key: mx.array) -> mx.array:
+    """``y`` ``(..., m)`` -> ``y`` through the Gaussian test channel at ``bits`` per coordinate: ``a y + sqrt(a D) z``
+    with ``D = s^2 2^(-2 bits)``, ``a = 1 - 2^(-2 bits)``, ``s^2`` the mean square of each row, ``z`` standard normal
+    (drawn from ``key``): the error is ``D`` per coordinate and independent of the reconstruction, as at the
+    rate-distortion bound of a Gaussian source."""
+    a = 1.0 - 2.0 ** (-2 * bits)
+    d = mx.mean(y * y, axis=-1, keepdims=True) * 2.0 ** (-2 * bits)
+    return a * y + mx.sqrt(a * d) * mx.random.normal(y.shape, key=key)
+
+
+def token_code(x: mx.array, bits: int, group: int, seed: int, noise=None) -> mx.array:
     """``x`` ``(B, H, T, d)`` float32 -> decoded per-token codes: rotation ``make_rotation(d, seed)``, groups of
-    ``group``."""
+    ``group``; ``noise`` (an ``itertools.count``): the test channel at ``bits`` (`shannon_roundtrip`, one fresh key
+    per call from the counter) instead of the Lloyd-Max levels."""
     rot = make_rotation(x.shape[-1], seed)
+    if noise is not None:
+        return rot.invert(shannon_roundtrip(rot.apply(x), bits, mx.random.key(next(noise))))
     return rot.invert(lloyd_roundtrip(rot.apply(x), bits, group))
 
 
@@ -71,36 +91,39 @@ def pair_channels(query_power: mx.array, key_variance: mx.array, frame: RopeFram
     return mx.array(np.stack(out).astype(np.int32))
 
 
-def split_code(x: mx.array, perm: mx.array, bits_hi: int, bits_lo: int, seed: int) -> mx.array:
+def split_code(x: mx.array, perm: mx.array, bits_hi: int, bits_lo: int, seed: int, noise=None) -> mx.array:
     """``x`` ``(B, H, T, d)`` -> decoded codes of its channels ``perm[h, :m]`` (``m`` = d/2) at ``bits_hi`` and the
     rest at ``bits_lo``, each half rotated on its own and scaled per token (one group)."""
     B, H, T, d = x.shape
     idx = mx.broadcast_to(perm[None, :, None, :], x.shape)
     xp = mx.take_along_axis(x, idx, axis=-1)
     m = d // 2
-    hi = token_code(xp[..., :m], bits_hi, m, seed)
-    lo = token_code(xp[..., m:], bits_lo, d - m, seed + 1)
+    hi = token_code(xp[..., :m], bits_hi, m, seed, noise)
+    lo = token_code(xp[..., m:], bits_lo, d - m, seed + 1, noise)
     back = mx.argsort(perm, axis=-1)
     return mx.take_along_axis(mx.concatenate([hi, lo], axis=-1), mx.broadcast_to(back[None, :, None, :], x.shape),
                               axis=-1)
 
 
-class FakeCodedKV(KVCache):
-    """mlx_lm's plain cache holding each arriving token as the codes would decode it: keys less ``R_t mu`` coded
-    (``key_code``), values coded (``value_code``), the first token of the sequence exact."""
+class _CodedOnArrival:
+    """Holds each arriving token as the codes would decode it: keys less ``R_t mu`` coded (``key_code``), values
+    coded (``value_code``), the first token of the sequence exact; storage (and any window) is the plain cache's."""
 
-    def __init__(self, frame: RopeFrame, key_code, value_code, sink: int = 1):
-        super().__init__()
-        self.frame, self.key_code, self.value_code, self.sink = frame, key_code, value_code, sink
+    def setup(self, frame: RopeFrame, key_code, value_code, sink: int = 1, offset: bool = True):
+        self.frame, self.key_code, self.value_code = frame, key_code, value_code
+        self.sink, self.offset_keys = sink, offset
         self.mu: Optional[mx.array] = None  # (H, d) float32 of float16 values, fitted on the first chunk
+        return self
 
     def update_and_fetch(self, keys, values):
-        start, T = self.offset, keys.shape[2]
+        start, T = self.offset, keys.shape[2]  # offset: the absolute position, windowed or not
         k, v = keys.astype(mx.float32), values.astype(mx.float32)
         if keys.shape[0] != 1:
             raise ValueError("FakeCodedKV: one sequence per cache (the quality harness's)")
         if self.mu is None:
             self.mu = fit_mean(k, start, self.frame).astype(mx.float16).astype(mx.float32)
+            if not self.offset_keys:
+                self.mu = mx.zeros_like(self.mu)
         off = offset_keys(self.mu, mx.full((k.shape[1],), start, dtype=mx.int32), T, self.frame)[None]
         kq = self.key_code(k - off) + off
         vq = self.value_code(v)
@@ -111,7 +134,24 @@ class FakeCodedKV(KVCache):
         return super().update_and_fetch(kq.astype(keys.dtype), vq.astype(values.dtype))
 
 
-VARIANTS = ("", "-g32", "-pairs", "-pairs-probe")
+class FakeCodedKV(_CodedOnArrival, KVCache):
+    """mlx_lm's plain cache holding the codes decoded on arrival (`_CodedOnArrival`)."""
+
+    def __init__(self, frame: RopeFrame, key_code, value_code, sink: int = 1):
+        KVCache.__init__(self)
+        self.setup(frame, key_code, value_code, sink)
+
+
+class FakeCodedRotatingKV(_CodedOnArrival, RotatingKVCache):
+    """mlx_lm's sliding-window cache holding the codes decoded on arrival (`_CodedOnArrival`); keys without the
+    offset, as the presets code window layers (post-RoPE: a window's first chunk is gone when it slides)."""
+
+    def __init__(self, max_size: int, keep: int, frame: RopeFrame, key_code, value_code, sink: int = 1):
+        RotatingKVCache.__init__(self, max_size, keep)
+        self.setup(frame, key_code, value_code, sink, offset=False)
+
+
+VARIANTS = ("", "-g32", "-pairs", "-pairs-probe", "-rd", "-pairs-rd")
 _PROBED: dict = {}  # id(model) -> its probe statistics (measured once per process)
 
 
@@ -128,10 +168,16 @@ def probe_statistics(model):
 
 
 def fake_caches(model, bits: int, variant: str, calibration=None, seed: int = 0) -> list:
-    """One `FakeCodedKV` per layer of ``model`` (full attention, RoPE read by `frame_of`) for ``fq-b{bits}{variant}``;
-    ``-pairs`` needs ``calibration``."""
+    """``fq-b{bits}{variant}``'s caches for ``model``: the budget preset ``tq-{bits}b`` as the builder makes it, its
+    per-token-coded layers (``token_lloyd8``) replaced by the probe's (`FakeCodedKV`, `FakeCodedRotatingKV` where
+    the layer has a sliding window) at that layer's key and value bits; layers of another layout (Gemma 3's
+    full-attention block keys) keep the preset's own cache. RoPE read by `frame_of`; ``-pairs`` needs
+    ``calibration``."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    # the test channel's draws: one counter per set of caches, so every run of a configuration draws the same noise
+    noise = itertools.count(seed * 1_000_003) if variant.endswith("-rd") else None
+    variant = variant.removesuffix("-rd")
     if variant == "-pairs" and calibration is None:
         raise ValueError("fq-bB-pairs needs --calibration (which pairs matter is fitted on calibration text)")
     if variant == "-pairs-probe":
@@ -140,10 +186,19 @@ def fake_caches(model, bits: int, variant: str, calibration=None, seed: int = 0)
         calibration = _PROBED[id(model)]
     from mlx_lm.models.cache import make_prompt_cache
 
-    if not all(type(c) is KVCache for c in make_prompt_cache(model)):
-        raise ValueError("the fake-code probe takes models whose every layer is full attention (mlx_lm's KVCache)")
+    import veloxquant_mlx as vq
+
+    plain = make_prompt_cache(model)
+    if not all(type(c) in (KVCache, RotatingKVCache) for c in plain):
+        raise ValueError("the fake-code probe takes models whose every layer has mlx_lm's KVCache or RotatingKVCache")
+    built = vq.make_prompt_cache(model, f"tq-{bits}b")
     caches = []
     for i, layer in enumerate(model.layers):
+        o = getattr(built[i], "options", None)
+        if o is None or o.codec != "token_lloyd8":
+            caches.append(built[i])
+            continue
+        kb, vb = o.k_bits, o.v_bits
         attn = layer.self_attn
         d = attn.k_proj.weight.shape[0] // attn.n_kv_heads
         frame, why = frame_of(attn.rope, d)
@@ -153,9 +208,12 @@ def fake_caches(model, bits: int, variant: str, calibration=None, seed: int = 0)
         if variant.startswith("-pairs"):
             perm = pair_channels(calibration.arrays["query_power"][i], calibration.arrays["key_variance"][i], frame,
                                  d // 4)
-            key_code = lambda x, p=perm: split_code(x, p, bits + 1, bits - 1, seed)  # noqa: E731
+            key_code = lambda x, p=perm, b=kb: split_code(x, p, b + 1, b - 1, seed, noise)  # noqa: E731
         else:
-            key_code = lambda x, g=group: token_code(x, bits, g, seed)  # noqa: E731
-        value_code = lambda x: token_code(x, bits, min(64, x.shape[-1]), seed + 1000)  # noqa: E731
-        caches.append(FakeCodedKV(frame, key_code, value_code))
+            key_code = lambda x, g=group, b=kb: token_code(x, b, g, seed, noise)  # noqa: E731
+        value_code = lambda x, b=vb: token_code(x, b, min(64, x.shape[-1]), seed + 1000, noise)  # noqa: E731
+        if type(plain[i]) is RotatingKVCache:
+            caches.append(FakeCodedRotatingKV(plain[i].max_size, plain[i].keep, frame, key_code, value_code))
+        else:
+            caches.append(FakeCodedKV(frame, key_code, value_code))
     return caches

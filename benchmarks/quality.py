@@ -26,10 +26,11 @@ Issue 47's key probes wrap one of our configurations (``benchmarks/_prerope.py``
 decoded history, so no speed): ``pre-NAME`` stores its keys before RoPE, ``nr-NAME`` without its key rotation,
 ``prenr-NAME`` both (``--configs pre-tq4-ptc1,nr-tq-4b``); ``off-NAME`` codes ``k_t - R_t mu`` after RoPE (issue 54).
 
-Issue 54's fake-code probe (``benchmarks/_fake_codes.py``; full-attention models; codes applied on arrival and
+Issue 54's fake-code probe (``benchmarks/_fake_codes.py``; sliding windows kept; codes applied on arrival and
 decoded at once, so no speed): ``fq-bB`` is ``tq-Bb``'s arithmetic, ``fq-bB-g32`` its key scales per 32 coordinates,
 ``fq-bB-pairs`` (needs ``--calibration``) / ``fq-bB-pairs-probe`` the same bytes with half the RoPE pairs at B + 1
-bits and half at B - 1 (``--configs kv,fq-b4,fq-b4-g32,fq-b4-pairs --calibration FILE``).
+bits and half at B - 1 (``--configs kv,fq-b4,fq-b4-g32,fq-b4-pairs --calibration FILE``); ``fq-bB-rd`` /
+``fq-bB-pairs-rd`` those code bits at the Shannon bound (the Gaussian test channel: what no quantizer beats).
 
 The CPU build of MLX is slow in float16: the model runs in float32 (mlx_lm's plain cache then stores
 float32, and our exact windows are float32 too, which the byte counts include).
@@ -198,15 +199,17 @@ def _fake_spec(name, calibration):
     variant = f"-{variant}" if variant else ""
     if bits not in ("2", "3", "4") or variant not in FAKE_VARIANTS:
         raise SystemExit(f"unknown config {name!r}: fq-bB[{'|'.join(v for v in FAKE_VARIANTS if v)}], B in 2, 3, 4")
-    same_bytes = preset(f"tq-{bits}b") if not variant else CacheOptions(**{
+    same_bytes = preset(f"tq-{bits}b") if variant in ("", "-rd") else CacheOptions(**{
         k: (tuple(v) if isinstance(v, list) else v) for k, v in OURS[f"tq{bits}-kl32-ro"].items()})
-    cal = calibration if variant == "-pairs" else None
+    cal = calibration if variant in ("-pairs", "-pairs-rd") else None
     what = {"": "codes as tq-{b}b's", "-g32": "key scales per 32 coordinates",
             "-pairs": "the half of the RoPE pairs with the largest E[q^2] Var[k] at {b1} bits, the rest at {b0}",
-            "-pairs-probe": "the RoPE-pair split, pairs chosen on the key-rotation probe's random ids"}
+            "-pairs-probe": "the RoPE-pair split, pairs chosen on the key-rotation probe's random ids",
+            "-rd": "tq-{b}b's code bits at the Shannon bound (the Gaussian test channel)",
+            "-pairs-rd": "the calibrated RoPE-pair split at the Shannon bound (the Gaussian test channel)"}
     return CacheSpec(name, lambda m, b=int(bits), v=variant: fake_caches(m, b, v, cal), "veloxquant", None,
                      what[variant].format(b=bits, b1=int(bits) + 1, b0=int(bits) - 1) + " (decoded on arrival: probe)",
-                     options=same_bytes)
+                     options=same_bytes, extra={"bytes_of": lambda m, o=same_bytes: vq.make_prompt_cache(m, o)})
 
 
 def main(argv=None):
@@ -329,8 +332,8 @@ def spec_bits(model, specs, lengths) -> dict:
     out = {}
     for s in specs:
         o = s.options
-        if o is None or not uniform:
-            make, layers = s.make_cache, n_layers
+        if o is None or not uniform:  # (a probe's caches may store otherwise: its layout's own, `bytes_of`)
+            make, layers = s.extra.get("bytes_of", s.make_cache), n_layers
         else:
             make = lambda m, o=o: vq.make_prompt_cache(m, o)  # noqa: E731
             layers = n_layers if isinstance(o.k_bits, tuple) or isinstance(o.v_bits, tuple) else 1

@@ -14,6 +14,9 @@ run stops at ``--max-seconds``.
 
     python benchmarks/server_load.py --min-requests 4 --max-tokens 8 --context-tokens 200 --out load.json
 
+``--presets tq-affine-k8v4,tq-4b``: the compressed presets served (default the default alone), each batched beside
+the plain batched server and in the memory table.
+
 Each prompt is a shared context paragraph (about ``--context-tokens`` tokens) plus one of several questions, so the
 prompt cache has a common prefix to reuse; with ``--distinct-contexts`` each request has its own context of that
 many tokens (conversations that each hold a long cache: issue 55's 4 x 8192 tokens), and each server process's peak
@@ -60,6 +63,28 @@ DEFAULT_CONFIGS = [
 ]
 CAPACITY_CACHES = [("plain KVCache (model dtype)", "kv"), ("mlx-lm QuantizedKVCache 4-bit", "mlx-q4"),
                    (f"ours {COMPRESSED}", COMPRESSED), ("ours tq-affine-k4v4", "tq-affine-k4v4")]
+
+
+def server_configs(presets):
+    """(label, serve arguments) per server: the plain batched one first (every ratio's denominator), then each of
+    ``presets`` batched, and the default one at a time where it is among them (`DEFAULT_CONFIGS` for the default)."""
+    from veloxquant_mlx.apps.eval.specs import preset_names
+
+    known = preset_names()
+    bad = [p for p in presets if p not in known or p == "kv"]
+    if bad or not presets:
+        raise SystemExit(f"--presets: compressed presets from {', '.join(n for n in known if n != 'kv')}; "
+                         f"got {','.join(presets)!r}")
+    configs = [DEFAULT_CONFIGS[0]] + [(f"{p}, batched", ["--preset", p]) for p in presets]
+    if COMPRESSED in presets:
+        configs.append(DEFAULT_CONFIGS[2])
+    return configs
+
+
+def capacity_caches(presets):
+    """`CAPACITY_CACHES` and any of ``presets`` not among them."""
+    have = {m for _, m in CAPACITY_CACHES}
+    return CAPACITY_CACHES + [(f"ours {p}", p) for p in presets if p not in have]
 
 
 def _post(port: int, body: dict, timeout: float):
@@ -279,7 +304,7 @@ def pool(cells):
     return rows
 
 
-def capacity(model, tokens: int, budget_bytes: float, seed: int = 0):
+def capacity(model, tokens: int, budget_bytes: float, seed: int = 0, caches=CAPACITY_CACHES):
     """Concurrent ``tokens``-token sequences whose KV caches fit in ``budget_bytes``, per cache kind.
 
     One layer of two sequences is filled with random keys/values of the model's KV shape, merged the way mlx_lm's
@@ -298,7 +323,7 @@ def capacity(model, tokens: int, budget_bytes: float, seed: int = 0):
     values = mx.random.normal((1, kv_heads, tokens, head_dim), key=k2).astype(dtype)
     rows = []
     with use_packed_attention():  # our caches store without decoding (what serving does)
-        for label, method in CAPACITY_CACHES:
+        for label, method in caches:
             layers = [resolve_spec(method).make_cache(model)[0] for _ in range(2)]
             for c in layers:
                 mx.eval(c.update_and_fetch(keys, values))
@@ -362,6 +387,9 @@ def main(argv=None) -> int:
                         "no shared prefix, every conversation holds its own cache) instead of one shared paragraph")
     p.add_argument("--only", action="append", default=None,
                    help="run only configurations whose label contains this text (repeatable)")
+    p.add_argument("--presets", type=lambda t: [x for x in t.split(",") if x], default=[COMPRESSED],
+                   help=f"compressed presets served beside plain batched serving (default {COMPRESSED}, the default; "
+                        "e.g. tq-affine-k8v4,tq-4b)")
     p.add_argument("--capacity-tokens", type=int, default=4096, help="sequence length of the memory table")
     p.add_argument("--budget-gib", type=float, default=1.0, help="KV budget of the memory table (GiB)")
     p.add_argument("--rounds", type=int, default=1,
@@ -389,8 +417,9 @@ def main(argv=None) -> int:
         n_max = max(max(a.min_requests, level * a.requests_per_client) for level in a.concurrency)
         context = distinct_contexts(tokenizer, n_max, a.context_tokens)
         warm_context = CONTEXT  # short: the warm-up leaves no long cache behind
-    configs = [c for c in DEFAULT_CONFIGS if not a.only or any(o in c[0] for o in a.only)]
-    cap = capacity(model, a.capacity_tokens, a.budget_gib * 2**30)  # first: serving threads own MLX streams
+    configs = [c for c in server_configs(a.presets) if not a.only or any(o in c[0] for o in a.only)]
+    cap = capacity(model, a.capacity_tokens, a.budget_gib * 2**30,  # first: serving threads own MLX streams
+                   caches=capacity_caches(a.presets))
     deadline = time.monotonic() + a.max_seconds
     cells, handles = [], {}
     try:

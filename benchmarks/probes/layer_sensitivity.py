@@ -12,6 +12,9 @@ Diagnosis for issue 28 (BENCHMARKS.md, "Where issue 28's gap lies"), not a produ
 
     python -m benchmarks.probes.layer_sensitivity --texts calibration,kjv --screen --out results/layer_sensitivity.json
 
+``--model gemma3-270m`` (or any name `load_model` takes): the same on that model; its calibration file defaults to
+``results/<model>_calibration.safetensors``.
+
 ``--smoke``: both steps on a tiny random llama (`benchmarks/probes/_smoke.py`), 192 tokens per text (past the
 budget layouts' first 128-token block), the model's answers 16 tokens long, calibrated on them (no calibration file
 read or written), the screen at one 160-token window: the code runs, the figures mean nothing::
@@ -31,7 +34,7 @@ from benchmarks import _common
 
 ensure_openblas()
 
-from mlx_lm.models.cache import KVCache  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache as plain_prompt_cache  # noqa: E402
 
 import veloxquant_mlx as vq  # noqa: E402
 from veloxquant_mlx.integration.measure_calibration import default_calibration_tokens  # noqa: E402
@@ -75,9 +78,9 @@ def sensitivity(model, tokens, options, calibration, bits: int) -> dict:
     def one_layer(name, layer, kb, vb):
         o = dataclasses.replace(options, k_bits=kb, v_bits=vb)
 
-        def make(m):
-            ours = make_prompt_cache(m, o, calibration=calibration)
-            return [ours[i] if i == layer else KVCache() for i in range(layers)]
+        def make(m):  # every other layer the model's own plain cache (its sliding windows kept)
+            ours, plain = make_prompt_cache(m, o, calibration=calibration), plain_prompt_cache(m)
+            return [ours[i] if i == layer else plain[i] for i in range(layers)]
         return CacheSpec(name, make)
 
     specs = ([one_layer(f"k{i}", i, bits, 8) for i in range(layers)] + [one_layer(f"v{i}", i, 8, bits)
@@ -93,8 +96,9 @@ def main() -> None:
     ap.add_argument("--texts", default="calibration,kjv", help="calibration and/or evaluation corpora")
     ap.add_argument("--tokens", type=int, default=1219, help="tokens of each text measured (one window)")
     ap.add_argument("--bits", type=int, default=3, help="the one layer side's bits when measuring")
-    ap.add_argument("--calibration", default="results/smollm2_calibration.safetensors",
-                    help="channel weights (made from the default calibration text when missing; none: without)")
+    _common.add_model(ap)
+    ap.add_argument("--calibration", default=None, help="channel weights (made from the default calibration text "
+                    "when missing; default results/<model>_calibration.safetensors; none: without)")
     ap.add_argument("--screen", action="store_true", help="also screen the exchanged bits on both corpora")
     ap.add_argument("--screen-presets", default="tq-4b,tq-3b")
     ap.add_argument("--context", type=int, default=513)
@@ -114,7 +118,8 @@ def main() -> None:
         cal = vq.calibrate(model, default_calibration_tokens(model, tok, **answers),
                            description="--smoke: the tiny model's 16-token answers to DEFAULT_PROMPTS")
     else:
-        model, tok = load_model("smollm2")
+        model, tok = load_model(args.model)
+        args.calibration = args.calibration or f"results/{args.model}_calibration.safetensors"
         if args.calibration == "none":  # the layouts as shipped: no channel weights (issue 54's token_lloyd8)
             cal = None
         elif os.path.exists(args.calibration):
@@ -122,8 +127,8 @@ def main() -> None:
         else:
             cal = vq.calibrate(model, tokenizer=tok)
             cal.save(args.calibration)
-    out = {"preset": args.preset, "bits": args.bits, "calibration": cal.metadata() if cal else None,
-           "sensitivity": {}}
+    out = {"model": "tiny" if args.smoke else args.model, "preset": args.preset, "bits": args.bits,
+           "calibration": cal.metadata() if cal else None, "sensitivity": {}}
     for text in args.texts.split(","):
         t0 = time.time()
         if text == "calibration":

@@ -84,3 +84,59 @@ def test_pairs_probe_chooses_pairs_without_text_and_codes(tiny_model):
     k, k0 = k[:, :, 1:], k0[:, :, 1:]
     rel = float(mx.mean(mx.square(k - k0)) / mx.mean(mx.square(k0)))
     assert 1e-5 < rel < 0.2  # coded (4 / 2 bits), not passed through, not garbage
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_shannon_channel_has_the_bound_error_independent_of_its_output(bits):
+    y = mx.random.normal((4000, 64), key=mx.random.key(3)) * mx.random.uniform(0.5, 3, (4000, 1), key=mx.random.key(4))
+    r = fake.shannon_roundtrip(y, bits, mx.random.key(5))
+    rel = float(mx.mean(mx.sum(mx.square(r - y), -1) / mx.sum(mx.square(y), -1)))
+    assert abs(rel / 2.0 ** (-2 * bits) - 1) < 0.03  # D(R) = s^2 2^(-2R) per row
+    e = y - r  # uncorrelated with the output (Lloyd-Max's centroids share this; the bound's error is also Gaussian)
+    assert abs(float(mx.mean(e * r))) < 0.01 * float(mx.sqrt(mx.mean(e * e) * mx.mean(r * r)))
+    assert rel < 0.6 * float(mx.mean(mx.square(fake.lloyd_roundtrip(y, bits, 64) - y) / mx.mean(y * y)))
+
+
+def test_bound_variant_draws_the_same_noise_on_every_run(tiny_model):
+    (_, a), (_, b) = _held(tiny_model, 3, "-rd", 24, 8, 0), _held(tiny_model, 3, "-rd", 24, 8, 0)
+    assert mx.array_equal(a[0][0], b[0][0]) and mx.array_equal(a[0][1], b[0][1])
+    k, k0 = a[0][0][:, :, 1:], a[1][0][:, :, 1:]
+    rel = float(mx.mean(mx.square(k - k0)) / mx.mean(mx.square(k0)))
+    assert 1e-5 < rel < 0.1
+
+
+def test_window_layers_keep_their_window_and_code_without_the_offset():
+    from mlx_lm.models import gemma3_text
+    from mlx_lm.models.cache import make_prompt_cache
+
+    mx.random.seed(0)
+    model = gemma3_text.Model(gemma3_text.ModelArgs(
+        model_type="gemma3_text", num_hidden_layers=3, head_dim=32, sliding_window=16, sliding_window_pattern=3,
+        query_pre_attn_scalar=32, hidden_size=128, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128))
+    mx.eval(model.parameters())
+    caches = fake.fake_caches(model, 4, "")
+    assert [type(c).__name__ for c in caches] == ["FakeCodedRotatingKV", "FakeCodedRotatingKV", "FakeCodedKV"]
+    plain = make_prompt_cache(model)
+    toks = mx.random.randint(0, 128, (1, 40), key=mx.random.key(1))
+    for chunk in (toks[:, :24], toks[:, 24:]):  # a chunk past the window, then more
+        model(chunk, cache=caches)
+        model(chunk, cache=plain)
+    for i, (c, p) in enumerate(zip(caches, plain)):
+        n = min(c.offset, c.keys.shape[2])
+        k, k0 = c.keys[:, :, :n], p.keys[:, :, :n]
+        assert c.keys.shape == p.keys.shape and c.offset == p.offset == 40  # the window as the plain cache keeps it
+        rel = float(mx.mean(mx.square(k - k0)) / mx.mean(mx.square(k0)))
+        # coded at 4 bits (Lloyd-Max: 0.007 of the mean square), not passed through; later layers add upstream error
+        assert 1e-3 < rel < (0.012 if i == 0 else 0.2)
+    assert not mx.any(caches[0].mu).item() and mx.any(caches[2].mu).item()  # the offset on full attention only
+
+
+def test_layers_of_another_layout_keep_the_presets_cache(tiny_model, monkeypatch):
+    import veloxquant_mlx as vq
+
+    built, other = vq.make_prompt_cache(tiny_model, "tq-4b"), vq.make_prompt_cache(tiny_model, "tq-affine-k8v4")
+    assert {c.options.codec for c in built} == {"token_lloyd8"} and other[0].options.codec != "token_lloyd8"
+    monkeypatch.setattr(vq, "make_prompt_cache", lambda model, config: [other[0]] + built[1:])
+    caches = fake.fake_caches(tiny_model, 4, "")
+    assert caches[0] is other[0] and all(type(c) is fake.FakeCodedKV for c in caches[1:])

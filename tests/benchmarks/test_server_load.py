@@ -67,3 +67,15 @@ def test_peak_rss_of_a_live_process_and_none_for_a_gone_one(server_load):
     assert server_load.peak_rss_mib(os.getpid()) >= now  # the peak is at least what is resident now
     assert server_load.peak_rss_mib(2**31 - 1) is None
     fresh.close()
+
+
+def test_presets_choose_the_servers_plain_first(server_load):
+    configs = server_load.server_configs(["tq-4b", "tq-affine-k8v4"])
+    assert [label for label, _ in configs] == ["plain kv, batched", "tq-4b, batched", "tq-affine-k8v4, batched",
+                                               "tq-affine-k8v4, one at a time"]
+    assert configs[1][1] == ["--preset", "tq-4b"]
+    assert server_load.server_configs([server_load.COMPRESSED]) == server_load.DEFAULT_CONFIGS
+    assert ("ours tq-4b", "tq-4b") in server_load.capacity_caches(["tq-4b"])
+    for bad in (["kv"], ["tq-9b"], []):
+        with pytest.raises(SystemExit, match="--presets"):
+            server_load.server_configs(bad)
