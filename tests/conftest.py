@@ -65,6 +65,22 @@ class ByteTokenizer:
 TINY_VOCAB = 128
 
 
+@pytest.fixture
+def tiny_gemma3():
+    """A tiny random Gemma 3 (mlx_lm's gemma3_text): 3 layers, two sliding windows of 16 tokens then one full
+    attention, 4 query / 2 KV heads of 32 dims; seeded, built fresh for each test (tests enable it)."""
+    import mlx.core as mx
+    from mlx_lm.models import gemma3_text
+
+    mx.random.seed(0)
+    model = gemma3_text.Model(gemma3_text.ModelArgs(
+        model_type="gemma3_text", num_hidden_layers=3, head_dim=32, sliding_window=16, sliding_window_pattern=3,
+        query_pre_attn_scalar=32, hidden_size=128, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128))
+    mx.eval(model.parameters())
+    return model
+
+
 @pytest.fixture(scope="session")
 def tiny_model():
     """mlx_lm llama: 2 layers, hidden 64, 2 query heads / 1 kv head of head_dim 64, random weights.

@@ -105,16 +105,10 @@ def test_bound_variant_draws_the_same_noise_on_every_run(tiny_model):
     assert 1e-5 < rel < 0.1
 
 
-def test_window_layers_keep_their_window_and_code_without_the_offset():
-    from mlx_lm.models import gemma3_text
+def test_window_layers_keep_their_window_and_code_without_the_offset(tiny_gemma3):
     from mlx_lm.models.cache import make_prompt_cache
 
-    mx.random.seed(0)
-    model = gemma3_text.Model(gemma3_text.ModelArgs(
-        model_type="gemma3_text", num_hidden_layers=3, head_dim=32, sliding_window=16, sliding_window_pattern=3,
-        query_pre_attn_scalar=32, hidden_size=128, intermediate_size=128, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=128))
-    mx.eval(model.parameters())
+    model = tiny_gemma3
     caches = fake.fake_caches(model, 4, "")
     assert [type(c).__name__ for c in caches] == ["FakeCodedRotatingKV", "FakeCodedRotatingKV", "FakeCodedKV"]
     plain = make_prompt_cache(model)

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 from mlx_lm import batch_generate
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.models import gemma3_text
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 import veloxquant_mlx as vq
@@ -55,18 +54,13 @@ def test_batched_greedy_equals_each_prompt_alone(model, name, size, batched_atte
     assert batched_attention["attend_packed"] > 0
 
 
-def test_sliding_window_model_batched_equals_each_prompt_alone(batched_attention):
+def test_sliding_window_model_batched_equals_each_prompt_alone(batched_attention, tiny_gemma3):
     """gemma3 (sliding-window layers of 16 tokens between full-attention ones): windows fill and evict per row.
 
     This tiny gemma3 is touchy: with OpenBLAS a batched matmul differs from a single one by ~1e-5 (plain caches
     too), enough to flip an 8-bit key code of the first layer (measured: logits 0.05 apart for one row, 2e-6 with
     MLX's own BLAS); the cache-level tests above show the rows are exact."""
-    mx.random.seed(0)
-    model = gemma3_text.Model(gemma3_text.ModelArgs(
-        model_type="gemma3_text", num_hidden_layers=3, head_dim=32, sliding_window=16, sliding_window_pattern=3,
-        query_pre_attn_scalar=32, hidden_size=128, intermediate_size=128, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=128))
-    mx.eval(model.parameters())
+    model = tiny_gemma3
     vq.enable(model)
     try:
         prompts = [PROMPTS[i] for i in (0, 2, 4, 5, 6)]

@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx_lm.models import gemma3_text, llama
+from mlx_lm.models import llama
 
 import veloxquant_mlx as vq
 from veloxquant_mlx.attention import kernel
@@ -223,13 +223,8 @@ def test_the_builder_reads_each_layers_rope(dtype):
     assert caches[0].rows.k_codec.rope_mean is not None and caches[0].n_coded > 0
 
 
-def test_sliding_windows_stay_post_rope_and_an_unreadable_rope_too_with_one_line():
-    mx.random.seed(0)
-    model = gemma3_text.Model(gemma3_text.ModelArgs(
-        model_type="gemma3_text", num_hidden_layers=3, head_dim=32, sliding_window=16, sliding_window_pattern=3,
-        query_pre_attn_scalar=32, hidden_size=128, intermediate_size=128, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=128))
-    mx.eval(model.parameters())
+def test_sliding_windows_stay_post_rope_and_an_unreadable_rope_too_with_one_line(tiny_gemma3):
+    model = tiny_gemma3
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         vq.enable(model, "tq-4b", rope_offset=True)
